@@ -1,0 +1,47 @@
+"""The error hierarchy shared by the compiler and the front end.
+
+Every error shardlang raises on purpose derives from `ShardlangError`. Each one
+carries the offending objects as attributes, so a caller can act on them
+without parsing the message, and each message says three things: the value,
+where it came from, and what would have been valid.
+
+The hierarchy lives in the compiler because the compiler is the lowest layer;
+`shardlang.errors` re-exports it for users.
+"""
+
+from __future__ import annotations
+
+
+class ShardlangError(Exception):
+    """Base class of every error that shardlang raises on purpose."""
+
+
+class SpecError(ShardlangError, ValueError):
+    """A spec is malformed, or does not fit the model or the world it meets.
+
+    Example: ``SpecError("parameter 'head.bias' matches no rule; rules are ['blocks.*']")``.
+    """
+
+
+class TraceError(ShardlangError):
+    """The training step could not be traced into one graph."""
+
+
+class CompileError(ShardlangError):
+    """A compiler pass failed or produced a graph that breaks an invariant.
+
+    ``pass_name`` names the failing pass and ``passes_before`` the ones that ran.
+    """
+
+    def __init__(self, message: str, *, pass_name: str | None = None, passes_before: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.passes_before = passes_before
+
+
+class ScheduleError(CompileError):
+    """The schedule verifier found a broken invariant (see `compiler.verify`)."""
+
+
+class ShardlangRuntimeError(ShardlangError, RuntimeError):
+    """Running a compiled step failed: bad batch, mismatched ranks, bad process group."""
