@@ -1,0 +1,201 @@
+"""Job file: a small GPT-style language model on synthetic, learnable token streams.
+
+Run it with ``shardlang run examples/gpt.py --nproc 4`` or read its plan with
+``shardlang plan examples/gpt.py --world 64``.
+
+The model is the usual pre-LayerNorm decoder: token and position embeddings,
+``blocks`` of causal self-attention and a GELU MLP, a final LayerNorm, and an LM
+head whose weight is the token embedding's (tied). Module names:
+
+    tok_emb, pos_emb, blocks.{i}.ln1, blocks.{i}.attn, blocks.{i}.ln2, blocks.{i}.mlp, ln_f, head
+
+Because the head is tied, ``model.named_parameters()`` lists that weight once, as
+``tok_emb.weight``. The default size is tiny (about 106K parameters) so the example
+runs in CI; ``make_gpt`` builds bigger ones, e.g.
+``make_gpt(n_layer=6, n_embd=384, n_head=6, vocab_size=8192, block_size=256)``.
+
+The data: each sequence counts upward from a random start with a per-sequence
+stride of 1, 2 or 3 (mod the vocabulary), and about one token in ten is replaced
+by noise. The next token is predictable from the previous two, so the loss falls
+well below ``log(vocab_size)`` within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardlang as sl
+
+GLOBAL_BATCH = 8  # a multiple of 4, so world sizes 1, 2 and 4 divide it
+NOISE = 0.1  # fraction of tokens replaced by uniform noise
+STRIDES = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT. The defaults give the tiny CI model (~106K parameters).
+
+    Example: ``GPTConfig(n_layer=4, n_embd=128)``.
+    """
+
+    vocab_size: int = 64
+    block_size: int = 32  # the longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """Two linear layers with a GELU between them."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
+        self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer whose LM head is tied to the token embedding.
+
+    Example::
+
+        model = GPT(GPTConfig())
+        logits = model(torch.zeros(2, 16, dtype=torch.long))   # (2, 16, vocab_size)
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections down with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"GPT: sequence length {t} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_gpt(**config_overrides) -> GPT:
+    """A GPT with ``GPTConfig`` defaults replaced by ``config_overrides``.
+
+    Example: ``make_gpt(n_layer=4)``. The caller seeds the RNG (shardlang's job
+    loader calls ``torch.manual_seed`` before ``build_model``).
+    """
+    return GPT(GPTConfig(**config_overrides))
+
+
+def make_tokens(
+    step: int,
+    batch_size: int = GLOBAL_BATCH,
+    seq_len: int = GPTConfig.block_size,
+    vocab_size: int = GPTConfig.vocab_size,
+) -> torch.Tensor:
+    """Synthetic token streams for ``step``: shape ``(batch_size, seq_len + 1)``, int64.
+
+    Each row is ``start + stride * i (mod vocab_size)`` with a per-row stride from
+    ``STRIDES``, and a fraction ``NOISE`` of positions replaced by random tokens.
+    Deterministic: the same arguments give the same tensor.
+    """
+    g = torch.Generator().manual_seed(step)
+    n = seq_len + 1
+    start = torch.randint(vocab_size, (batch_size, 1), generator=g)
+    stride = torch.tensor(STRIDES)[torch.randint(len(STRIDES), (batch_size, 1), generator=g)]
+    tokens = (start + stride * torch.arange(n)) % vocab_size
+    noise = torch.randint(vocab_size, (batch_size, n), generator=g)
+    return torch.where(torch.rand(batch_size, n, generator=g) < NOISE, noise, tokens)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+# ---- the job ---------------------------------------------------------------
+
+
+def build_model() -> GPT:
+    """The tiny default GPT (~106K parameters)."""
+    return make_gpt()
+
+
+def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, averaged over every position of the (per-rank) batch."""
+    return lm_loss(model, batch)
+
+
+def make_batch(step: int) -> torch.Tensor:
+    """The global batch for ``step``: ``(8, 33)`` int64 tokens (inputs and shifted targets)."""
+    return make_tokens(step)
+
+
+spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))], units=["blocks.*"])
+optimizer = sl.AdamW(lr=3e-3, weight_decay=0.01)
