@@ -1,0 +1,89 @@
+"""Abstract collectives: the graph's communication nodes before process groups exist.
+
+The compiler works against an abstract mesh (axis names and sizes). A gather in
+the graph is ``all_gather(shard, axis, group_size)``; `emit.bind` later swaps
+each of these targets for the matching ``torch.ops._c10d_functional`` op on a
+real process group. Until then these functions compute shapes only, which is
+what planning with fake tensors needs, and at group size 1 they are the exact
+identity, which is how a world of one runs with no process group at all.
+
+Each collective is issued by one node and completed by a separate ``wait`` node,
+so that later passes can move the issue early (prefetch) and the wait late
+(overlap). Note [collectives are effects]: fx considers functional collectives
+pure and would delete one whose result looks unused, so every pass here removes
+dead code only through `is_effectful`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .errors import CompileError
+
+
+def _abstract_only(name: str, x: torch.Tensor, group_size: int) -> None:
+    if group_size > 1 and not isinstance(x, FakeTensor) and x.device.type != "meta":
+        raise CompileError(
+            f"{name} over {group_size} ranks ran on a real tensor before emit.bind() gave it a process group"
+        )
+
+
+def all_gather(shard: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """Concatenate every rank's shard along dim 0: ``(S,) -> (N * S,)``. Issue only; see `wait`."""
+    _abstract_only("all_gather", shard, group_size)
+    if group_size == 1:
+        return shard
+    return shard.new_empty((shard.shape[0] * group_size,) + tuple(shard.shape[1:]))
+
+
+def reduce_scatter(buffer: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """Sum ``(N * S,)`` over ranks and keep this rank's ``(S,)`` block. Issue only; see `wait`."""
+    _abstract_only("reduce_scatter", buffer, group_size)
+    if group_size == 1:
+        return buffer
+    return buffer.new_empty((buffer.shape[0] // group_size,) + tuple(buffer.shape[1:]))
+
+
+def all_reduce(buffer: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """Sum ``buffer`` over ranks. Issue only; see `wait`."""
+    _abstract_only("all_reduce", buffer, group_size)
+    return buffer if group_size == 1 else torch.empty_like(buffer)
+
+
+def wait(tensor: torch.Tensor) -> torch.Tensor:
+    """Block until the collective that produced ``tensor`` is done; returns it."""
+    return tensor
+
+
+def free(*tensors: torch.Tensor) -> None:
+    """Mark the end of life of a gathered unit.
+
+    The node does nothing when it runs: it is the last user of the gathered
+    buffer and its rebuilt parameters, so the generated code drops the last
+    references right after it, which is when the memory goes back.
+    """
+
+
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce)
+EFFECTS = COLLECTIVES + (wait, free)
+
+
+def is_effectful(node: torch.fx.Node) -> bool:
+    """Whether dead-code elimination must keep ``node`` (collectives, waits, frees, mutations)."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in EFFECTS or getattr(target, "__module__", "") == "torch._ops._c10d_functional":
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    return "_c10d_functional" in str(target)
+
+
+def eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """fx dead-code elimination that keeps every effect (Note [collectives are effects])."""
+    graph.eliminate_dead_code(is_impure_node=is_effectful)

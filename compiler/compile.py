@@ -1,0 +1,68 @@
+"""The compiler's front door: model + placements -> compiled graph and schedule.
+
+    trace (compiler.trace) -> annotate (compiler.flat) -> passes (compiler.pipeline)
+      -> schedule (compiler.schedule, checked by compiler.verify)
+
+Binding to process groups (`compiler.emit`) is left to the caller, so the same
+`CompiledStep` serves planning (no processes) and running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.fx as fx
+
+from .context import CompileContext
+from .flat import FlatParam, build_flat_params
+from .pipeline import DEFAULT_PASSES, run_passes
+from .placement import MeshShape, ParamInfo
+from .schedule import Schedule, read_schedule
+from .trace import TracedStep, trace_step
+from .verify import verify
+
+
+@attrs.frozen
+class CompiledStep:
+    """A compiled (unbound) training step: its graph, its context and its schedule."""
+
+    graph_module: fx.GraphModule
+    context: CompileContext
+    schedule: Schedule
+    traced: TracedStep
+
+    @property
+    def flats(self) -> tuple[FlatParam, ...]:
+        return self.context.flats
+
+
+def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
+                 optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
+                 passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None) -> CompiledStep:
+    """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
+
+    ``example_batch`` is a per-rank batch (its shapes are compiled in). With
+    ``check_each_pass`` the schedule verifier also runs after every pass
+    (structural checks only; the final schedule is always verified).
+    """
+    flats = build_flat_params(params, mesh)
+    traced = trace_step(model, loss_fn, flats, optimizer, example_batch)
+    ctx = CompileContext(flats, mesh, traced.inputs, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    check = _structural_check if check_each_pass else None
+    gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)
+    schedule = read_schedule(gm, ctx)
+    verify(schedule)
+    return CompiledStep(gm, ctx, schedule, traced)
+
+
+def _structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:
+    """After each pass: the graph is well formed and its gathers are waited for and freed."""
+    from .verify import _check_gather_lifetimes, _check_waits
+
+    gm.graph.lint()
+    schedule = read_schedule(gm, ctx)
+    _check_waits(schedule)
+    if pass_name != "gather_parameters":  # frees come with reshard_after_forward
+        _check_gather_lifetimes(schedule)

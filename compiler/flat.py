@@ -1,0 +1,232 @@
+"""Flat parameters: how a unit's parameters are packed into the tensors a rank holds.
+
+A `FlatParam` is the parameters of one unit that share a layout (sharded over the
+same axis, or replicated), a trainability and a dtype, concatenated. It is the
+grain of everything downstream: one graph input per rank, one collective to
+gather it, one collective to reduce its gradient, one optimizer update.
+
+Note [shard layout]: a rank's shard of a flat parameter is the concatenation of
+its members' local pieces, ``[m1 piece | m2 piece | ...]``. A member sharded flat
+is flattened and padded to ``N * c`` elements, and rank r holds elements
+``[r*c, (r+1)*c)``. A member sharded along dim d is padded on d to ``N * k`` and
+rank r holds the slab ``[r*k, (r+1)*k)`` on d, flattened. A gather therefore
+returns an ``(N, S)`` matrix whose row r is rank r's shard, and a member is
+rebuilt from its column block. Padding is zero and stays zero: its gradient is
+zero and every optimizer here maps a zero parameter with zero gradient and
+zero state to zero.
+
+The functions here are plain torch code used in two places: by the runtime to cut
+real tensors into shards, and as call targets of graph nodes that unpack a
+gathered buffer or pack gradients for a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from .placement import LayoutKind, MeshShape, ParamInfo
+
+
+@attrs.frozen
+class Member:
+    """One parameter inside a flat parameter, with its piece's size and offset in the shard."""
+
+    info: ParamInfo
+    world: int  # ranks along the sharding axis (1 when replicated)
+    offset: int  # where this member's piece starts in the shard
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def kind(self) -> LayoutKind:
+        return self.info.placement.kind
+
+    @property
+    def dim(self) -> int | None:
+        return self.info.placement.dim
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's piece before flattening (padded)."""
+        shape = self.info.shape
+        if self.kind is LayoutKind.SHARD_FLAT:
+            return (math.ceil(self.info.numel / self.world),)
+        if self.kind is LayoutKind.SHARD_DIM:
+            d = self.dim
+            return shape[:d] + (math.ceil(shape[d] / self.world),) + shape[d + 1 :]
+        return shape
+
+    @property
+    def piece_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.piece_numel * self.world
+
+
+@attrs.frozen
+class FlatParam:
+    """The parameters of one unit that share layout, trainability and dtype.
+
+    Example: the sharded, trainable float32 parameters of ``blocks.0`` form the
+    flat parameter named ``"blocks.0"``; its frozen ones would form
+    ``"blocks.0#frozen"``.
+    """
+
+    name: str
+    unit: str
+    axis: str | None  # None when replicated
+    world: int
+    trainable: bool
+    dtype: torch.dtype
+    members: tuple[Member, ...]
+
+    @property
+    def sharded(self) -> bool:
+        return self.axis is not None
+
+    @property
+    def shard_numel(self) -> int:
+        """S: the elements a rank holds (all members' pieces)."""
+        return sum(m.piece_numel for m in self.members)
+
+    @property
+    def padded_numel(self) -> int:
+        """N * S: the elements of the gathered buffer (the padded whole)."""
+        return self.shard_numel * self.world
+
+    @property
+    def numel(self) -> int:
+        """The real (unpadded) elements of all members."""
+        return sum(m.info.numel for m in self.members)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape) -> tuple[FlatParam, ...]:
+    """Group parameters into flat parameters, in order of first appearance of each group."""
+    groups: dict[tuple, list[ParamInfo]] = {}
+    for p in params:
+        axis = p.placement.axis if p.placement.is_sharded else None
+        key = (p.unit, axis, p.trainable, p.dtype)
+        groups.setdefault(key, []).append(p)
+    flats = []
+    for (unit, axis, trainable, dtype), infos in groups.items():
+        world = mesh.axis_size(axis) if axis is not None else 1
+        members, offset = [], 0
+        for info in infos:
+            member = Member(info=info, world=world, offset=offset)
+            members.append(member)
+            offset += member.piece_numel
+        flats.append(
+            FlatParam(
+                name=_flat_name(unit, axis, trainable, dtype, mesh),
+                unit=unit,
+                axis=axis,
+                world=world,
+                trainable=trainable,
+                dtype=dtype,
+                members=tuple(members),
+            )
+        )
+    return tuple(flats)
+
+
+def _flat_name(unit: str, axis: str | None, trainable: bool, dtype: torch.dtype, mesh: MeshShape) -> str:
+    name = unit or "<root>"
+    if axis is None:
+        name += "#replicated"
+    elif len(mesh.axes) > 1:
+        name += f"#{axis}"
+    if not trainable:
+        name += "#frozen"
+    return name
+
+
+# ---- cutting real tensors (runtime) -------------------------------------------------
+
+
+def member_piece(member: Member, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of one member, flattened (see Note [shard layout])."""
+    if member.kind is LayoutKind.REPLICATE:
+        return full.reshape(-1)
+    if member.kind is LayoutKind.SHARD_FLAT:
+        c = member.piece_numel
+        flat = _pad_flat(full.reshape(-1), member.padded_numel)
+        return flat[rank * c : (rank + 1) * c]
+    d = member.dim
+    k = member.local_shape[d]
+    padded = _pad_dim(full, d, k * member.world)
+    return padded.narrow(d, rank * k, k).reshape(-1)
+
+
+def shard_of(flat: FlatParam, tensors: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+    """A rank's shard of ``flat`` cut from full tensors by member name (a fresh, contiguous tensor)."""
+    pieces = [member_piece(m, tensors[m.name].detach(), rank) for m in flat.members]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
+
+
+# ---- graph node targets --------------------------------------------------------------
+
+
+def unpack_member(gathered: torch.Tensor, world: int, offset: int, piece: int, kind: str, dim: int | None,
+                  local_shape: list[int], shape: list[int]) -> torch.Tensor:
+    """Rebuild one full parameter from a gathered ``(N * S)`` buffer (copy-out).
+
+    A view when the member's column block is the whole row (single-member flat
+    sharded flat); a copy otherwise.
+    """
+    rows = gathered.view(world, -1)
+    block = rows[:, offset : offset + piece] if rows.shape[1] != piece else rows
+    numel = math.prod(shape)
+    if kind == LayoutKind.SHARD_DIM.value:
+        parts = block.reshape(world, *local_shape).movedim(0, dim)
+        merged_shape = list(local_shape)
+        merged_shape[dim] = local_shape[dim] * world
+        return parts.reshape(merged_shape).narrow(dim, 0, shape[dim])
+    return block.reshape(-1)[:numel].view(shape)
+
+
+def pack_gradients(world: int, specs: list, *grads: torch.Tensor) -> torch.Tensor:
+    """Lay out full gradients as a ``(N * S)`` buffer whose row r is rank r's shard (copy-in).
+
+    ``specs`` holds one ``(kind, dim, piece_numel, local_dim, shape)`` per
+    gradient; a gradient may arrive flattened, and is viewed back to ``shape``.
+    The inverse of `unpack_member`, applied to every member at once.
+    """
+    rows = []
+    for grad, (kind, dim, piece, local_dim, shape) in zip(grads, specs):
+        grad = grad.reshape(shape)
+        if kind == LayoutKind.SHARD_DIM.value:
+            padded = _pad_dim(grad, dim, local_dim * world)
+            split = padded.reshape(*padded.shape[:dim], world, local_dim, *padded.shape[dim + 1 :])
+            rows.append(split.movedim(dim, 0).reshape(world, piece))
+        else:
+            rows.append(_pad_flat(grad.reshape(-1), world * piece).view(world, piece))
+    return torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+
+
+def flatten_gradients(*grads: torch.Tensor) -> torch.Tensor:
+    """Concatenate full gradients of a replicated flat parameter (the all-reduce buffer)."""
+    return torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+
+
+def _pad_flat(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    if flat.numel() == numel:
+        return flat
+    return torch.nn.functional.pad(flat, (0, numel - flat.numel()))
+
+
+def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t
+    pad = [0, 0] * (t.dim() - dim - 1) + [0, size - t.shape[dim]]
+    return torch.nn.functional.pad(t, pad)

@@ -1,0 +1,87 @@
+"""Small helpers the passes share: node positions, aliases, tags, insertion.
+
+Tags: every node a pass inserts carries ``meta["sl"]``, a dict with at least
+``kind`` (one of `OpKind`'s values) and ``flat`` (the flat parameter's name).
+The schedule is read off these tags, never off node names.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .trace import Phase, tag_of
+
+_ALIASING_NOT_MARKED_AS_VIEW = {torch.ops.aten._unsafe_view.default}
+
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def sl_tag(node: fx.Node) -> dict:
+    return node.meta.get("sl", {})
+
+
+def tag(node: fx.Node, kind: str, flat: str | None, phase: Phase | None, **extra) -> fx.Node:
+    """Mark an inserted node for the schedule and for later passes."""
+    node.meta["sl"] = {"kind": kind, "flat": flat, **extra}
+    if phase is not None:
+        set_phase(node, phase)
+    return node
+
+
+def set_phase(node: fx.Node, phase: Phase) -> None:
+    """Set a node's phase tag (a fresh dict: traced nodes may share one ``custom`` dict)."""
+    node.meta["custom"] = {**node.meta.get("custom", {}), "phase": phase.value}
+
+
+def is_alias_op(node: fx.Node) -> bool:
+    """Whether ``node``'s output may share storage with its first input."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if target in _ALIASING_NOT_MARKED_AS_VIEW:
+        return True
+    if sl_tag(node).get("kind") == "unpack":
+        return True  # a view of the gathered buffer for a single-member flat
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def alias_closure(root: fx.Node) -> list[fx.Node]:
+    """``root`` and every node that may alias it through a chain of views, in graph order."""
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user not in seen and is_alias_op(user) and user.args and user.args[0] is node:
+                seen.add(user)
+                stack.append(user)
+    order = positions(root.graph)
+    return sorted(seen, key=order.__getitem__)
+
+
+def first_user(nodes, order, where=lambda user: True) -> fx.Node | None:
+    users = [u for n in nodes for u in n.users if where(u)]
+    return min(users, key=order.__getitem__) if users else None
+
+
+def last_user(nodes, order, where=lambda user: True) -> fx.Node | None:
+    users = [u for n in nodes for u in n.users if where(u)]
+    return max(users, key=order.__getitem__) if users else None
+
+
+def phase_is(phase: Phase):
+    return lambda node: tag_of(node, "phase") == phase.value
+
+
+def placeholders_by_flat(graph: fx.Graph, inputs) -> dict[str, fx.Node]:
+    """The placeholder of each flat parameter, by flat name."""
+    from .trace import InputRole
+
+    nodes = [n for n in graph.nodes if n.op == "placeholder"]
+    return {spec.name: node for spec, node in zip(inputs, nodes) if spec.role is InputRole.FLAT}

@@ -1,0 +1,67 @@
+"""Replace each sharded parameter by its local shard plus an all-gather before first use.
+
+Before: a flat parameter's placeholder is the whole (logical) flat tensor and
+each member parameter is a detached view of it.
+After: the placeholder is this rank's shard (Note [shard layout] in
+`compiler.flat`). Right before the first forward use of any member, the pass
+inserts ``all_gather -> wait -> unpack`` (one collective for the whole flat
+parameter) and every use of a member's leaf reads the unpacked tensor instead.
+Replicated flat parameters are left as they are.
+
+Invariant for later passes: each sharded flat parameter has exactly one
+``all_gather`` node (kind "all_gather"), one ``wait`` (kind "wait_gather") and one
+``unpack`` node per member (kind "unpack", meta ``member``), all in forward.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import collectives
+from ..context import CompileContext
+from ..flat import unpack_member
+from ..graph_utils import first_user, placeholders_by_flat, positions, tag
+from ..trace import Phase, tag_of
+
+
+def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    graph = gm.graph
+    leaves = _member_leaves(graph)
+    placeholders = placeholders_by_flat(graph, ctx.inputs)
+    for flat in ctx.flats:
+        if not flat.sharded:
+            continue
+        flat_leaves = [leaves[m.name] for m in flat.members if m.name in leaves]
+        order = positions(graph)
+        anchor = first_user(flat_leaves, order)
+        if anchor is None:
+            continue  # no member is used at all: nothing to gather
+        with graph.inserting_before(anchor):
+            issued = tag(graph.call_function(collectives.all_gather, (placeholders[flat.name], flat.axis, flat.world)),
+                         "all_gather", flat.name, Phase.FORWARD)
+            gathered = tag(graph.call_function(collectives.wait, (issued,)), "wait_gather", flat.name, Phase.FORWARD)
+            for member in flat.members:
+                unpacked = graph.call_function(unpack_member, _unpack_args(gathered, member))
+                tag(unpacked, "unpack", flat.name, Phase.FORWARD, member=member.name)
+                if member.name in leaves:
+                    leaves[member.name].replace_all_uses_with(unpacked)
+    collectives.eliminate_dead_code(graph)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _member_leaves(graph: fx.Graph) -> dict[str, fx.Node]:
+    """The node that is each member's autograd leaf: the last node the trace tagged with it."""
+    leaves = {}
+    for node in graph.nodes:
+        member = tag_of(node, "member")
+        if member is not None:
+            leaves[member] = node
+    return leaves
+
+
+def _unpack_args(gathered: fx.Node, member) -> tuple:
+    info = member.info
+    return (gathered, member.world, member.offset, member.piece_numel, member.kind.value, member.dim,
+            list(member.local_shape), list(info.shape))

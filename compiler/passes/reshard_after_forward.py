@@ -1,0 +1,97 @@
+"""Free each gathered unit after its last forward use, and re-gather it for backward.
+
+Before: each sharded flat parameter is gathered once (`gather_parameters`) and
+its rebuilt parameters, with every view taken of them, are used by forward and
+backward alike, so the gathered memory lives from its gather to the end of
+backward.
+
+After, with ``reshard_after_forward`` (ZeRO-3):
+  - a ``free`` node follows the last forward use of the gathered buffer and of
+    everything that aliases it;
+  - a second ``all_gather -> wait -> unpack`` is issued before the first
+    backward use, and a ``free`` follows the last backward use;
+  - Note [backward views]: backward often reads *views* that forward took of a
+    weight (``t(w)`` for a linear layer). Those views alias the forward-gathered
+    storage and would keep it alive; the pass rebuilds each such view chain from
+    the re-gathered tensor and points backward at the rebuilt chain.
+Without it (ZeRO-2), one ``free`` follows the last use in backward.
+
+Invariant: every ``wait_gather`` node's alias closure is used only between it
+and exactly one ``free`` node (kind "free") that names it.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import collectives
+from ..context import CompileContext
+from ..graph_utils import alias_closure, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
+from ..trace import Phase
+
+
+def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    graph = gm.graph
+    if ctx.reshard_after_forward:
+        for wait in _gathered(graph):
+            _regather_for_backward(graph, wait, alias_closure(wait), sl_tag(wait)["flat"])
+        collectives.eliminate_dead_code(graph)  # forward views that only backward read
+    for wait in _gathered(graph):
+        _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"], Phase(wait.meta["custom"]["phase"]))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _gathered(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if sl_tag(n).get("kind") == "wait_gather"]
+
+
+def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node], flat: str) -> fx.Node | None:
+    """Issue a second gather before the first backward use and move backward's reads onto it."""
+    order = positions(graph)
+    in_closure = set(closure)
+    is_backward_reader = lambda u: u not in in_closure and phase_is(Phase.BACKWARD)(u)  # noqa: E731
+    anchor = first_user(closure, order, is_backward_reader)
+    if anchor is None:
+        return None
+    issue = wait.args[0]
+    with graph.inserting_before(anchor):
+        reissued = tag(graph.call_function(collectives.all_gather, issue.args), "all_gather", flat, Phase.BACKWARD,
+                       regather=True)
+        rewait = tag(graph.call_function(collectives.wait, (reissued,)), "wait_gather", flat, Phase.BACKWARD)
+        copies = {wait: rewait}
+        for node in closure[1:]:
+            if not _reaches_backward(node, in_closure, is_backward_reader):
+                continue
+            copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
+            set_phase(copy, Phase.BACKWARD)
+            copies[node] = copy
+    for node, copy in copies.items():
+        for user in list(node.users):
+            if is_backward_reader(user):
+                user.replace_input_with(node, copy)
+    return rewait
+
+
+def _reaches_backward(node: fx.Node, in_closure, is_backward_reader) -> bool:
+    """Whether a backward node reads ``node`` directly or through further views in the closure."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if is_backward_reader(user):
+                return True
+            if user in in_closure:
+                stack.append(user)
+    return False
+
+
+def _insert_free(graph: fx.Graph, closure: list[fx.Node], flat: str, phase: Phase) -> None:
+    order = positions(graph)
+    members = set(closure)
+    last = last_user(closure, order, lambda u: u not in members)
+    if last is None:
+        last = closure[-1]
+    with graph.inserting_after(last):
+        tag(graph.call_function(collectives.free, tuple(closure)), "free", flat, phase)

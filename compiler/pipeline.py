@@ -1,0 +1,63 @@
+"""The pass pipeline: a plain list of passes, run in order, each named on failure.
+
+Mirrors torch.fx's pass manager: a failing pass is reported as
+``pass X failed after [a, b]``, and ``dump_dir`` writes the graph before and
+after every pass for debugging. ``check`` runs after each pass (tests pass the
+schedule verifier here).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Sequence
+
+import torch.fx as fx
+
+from .context import CompileContext
+from .errors import CompileError
+from .passes.gather_parameters import gather_parameters
+from .passes.reduce_gradients import reduce_gradients
+from .passes.reshard_after_forward import reshard_after_forward
+from .passes.shard_optimizer import shard_optimizer
+
+Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
+
+DEFAULT_PASSES: tuple[Pass, ...] = (
+    gather_parameters,
+    reshard_after_forward,
+    reduce_gradients,
+    shard_optimizer,
+)
+
+
+def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass] = DEFAULT_PASSES, *,
+               check: Callable[[fx.GraphModule, CompileContext, str], None] | None = None,
+               dump_dir: str | pathlib.Path | None = None) -> fx.GraphModule:
+    """Run ``passes`` over ``gm`` in order; wrap any failure with the pass's name and its predecessors."""
+    done: list[str] = []
+    for index, p in enumerate(passes):
+        name = p.__name__
+        if dump_dir is not None:
+            _dump(gm, dump_dir, f"{index:02d}_before_{name}")
+        try:
+            gm = p(gm, ctx)
+            if check is not None:
+                check(gm, ctx, name)
+        except CompileError as exc:
+            if exc.pass_name is None:
+                exc.pass_name, exc.passes_before = name, tuple(done)
+                exc.args = (f"pass {name} failed after {done}: {exc}",)
+            raise
+        except Exception as exc:
+            raise CompileError(f"pass {name} failed after {done}: {type(exc).__name__}: {exc}", pass_name=name,
+                               passes_before=tuple(done)) from exc
+        done.append(name)
+    if dump_dir is not None:
+        _dump(gm, dump_dir, f"{len(passes):02d}_final")
+    return gm
+
+
+def _dump(gm: fx.GraphModule, dump_dir, stem: str) -> None:
+    path = pathlib.Path(dump_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{stem}.py").write_text(gm.code)

@@ -1,0 +1,264 @@
+"""The schedule: a frozen, plain-data account of one compiled step, read off the final graph.
+
+It lists, in execution order, every op a rank runs: the collectives
+(all-gather, reduce-scatter, all-reduce) with their payload bytes, the waits
+that complete them, the frees that end a gathered unit's life, the compute
+segments between them, and the optimizer update of each flat parameter. Every
+rank derives the same schedule from the same spec and graph; its `digest` is
+what ranks compare at start-up.
+
+Bytes are payload bytes, the size of the buffer a collective produces or
+consumes on one rank: an all-gather's output (``N * S`` elements), a
+reduce-scatter's input (``N * S``) and an all-reduce's buffer. With a ring
+algorithm a rank sends ``(N-1)/N`` of an all-gather or reduce-scatter payload
+and ``2(N-1)/N`` of an all-reduce's; `Summary.wire_bytes_per_rank` reports that.
+
+Example::
+
+    print(schedule.table())
+    json.loads(schedule.to_json())["bytes_per_rank"]["all_gather"]
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+
+import attrs
+import torch
+import torch.fx as fx
+
+from .context import CompileContext
+from .graph_utils import alias_closure, sl_tag
+from .trace import Phase, phase_of, tag_of
+
+
+class OpKind(enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    WAIT = "wait"
+    FREE = "free"
+    COMPUTE = "compute"
+    OPTIMIZER = "optimizer"
+
+
+COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+
+
+@attrs.frozen
+class ScheduleOp:
+    """One op of the schedule.
+
+    ``handle`` pairs a collective with its wait. ``uses`` lists, for a compute
+    segment, the flat parameters whose gathered values it reads. ``numel`` is,
+    for an optimizer op, the elements the update touches.
+    """
+
+    index: int
+    kind: OpKind
+    phase: str
+    unit: str | None = None
+    flat: str | None = None
+    bytes: int = 0
+    handle: int | None = None
+    uses: tuple[str, ...] = ()
+    nodes: int = 0
+    numel: int = 0
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        d = attrs.asdict(self, recurse=False)
+        d["kind"] = self.kind.value
+        d["uses"] = list(self.uses)
+        return d
+
+
+@attrs.frozen
+class FlatSummary:
+    """A flat parameter as the schedule reports it."""
+
+    name: str
+    unit: str
+    sharded: bool
+    trainable: bool
+    numel: int
+    padded_numel: int
+    local_numel: int
+    element_size: int
+    members: tuple[str, ...]
+
+    @property
+    def padded_bytes(self) -> int:
+        return self.padded_numel * self.element_size
+
+
+@attrs.frozen
+class Summary:
+    """Per-step totals for one rank: collective counts and payload bytes by kind."""
+
+    world_size: int
+    collectives: dict[str, int]
+    bytes_per_rank: dict[str, int]
+
+    @property
+    def wire_bytes_per_rank(self) -> dict[str, int]:
+        n = self.world_size
+        factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
+        return {k: round(v * factor[k]) for k, v in self.bytes_per_rank.items()}
+
+
+@attrs.frozen
+class Schedule:
+    """The ordered ops of one rank's training step, with its flat parameters and mesh."""
+
+    world_size: int
+    mesh: tuple[tuple[str, int], ...]
+    flats: tuple[FlatSummary, ...]
+    ops: tuple[ScheduleOp, ...]
+    options: dict = attrs.field(factory=dict)
+
+    @property
+    def summary(self) -> Summary:
+        counts = {k.value: 0 for k in COLLECTIVE_KINDS}
+        sizes = {k.value: 0 for k in COLLECTIVE_KINDS}
+        for op in self.ops:
+            if op.kind in COLLECTIVE_KINDS:
+                counts[op.kind.value] += 1
+                sizes[op.kind.value] += op.bytes
+        return Summary(self.world_size, counts, sizes)
+
+    def flat(self, name: str) -> FlatSummary:
+        return next(f for f in self.flats if f.name == name)
+
+    def to_dict(self) -> dict:
+        summary = self.summary
+        return {
+            "world_size": self.world_size,
+            "mesh": dict(self.mesh),
+            "options": dict(self.options),
+            "flats": [attrs.asdict(f) | {"padded_bytes": f.padded_bytes} for f in self.flats],
+            "ops": [op.to_dict() for op in self.ops],
+            "collectives": summary.collectives,
+            "bytes_per_rank": summary.bytes_per_rank,
+            "wire_bytes_per_rank": summary.wire_bytes_per_rank,
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    def digest(self) -> str:
+        """A hash of the whole schedule; equal on every rank of one SPMD program."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def table(self, max_rows: int | None = None) -> str:
+        """The schedule as a text table (see docs/schedule.md for how to read it)."""
+        from .schedule_format import format_table
+
+        return format_table(self, max_rows=max_rows)
+
+    def summary_text(self) -> str:
+        from .schedule_format import format_summary
+
+        return format_summary(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
+    """Read the schedule off a compiled graph whose nodes carry `meta["val"]` and pass tags."""
+    builder = _Builder(ctx)
+    for node in gm.graph.nodes:
+        builder.visit(node)
+    builder.close_segment()
+    return Schedule(
+        world_size=ctx.mesh.size,
+        mesh=ctx.mesh.axes,
+        flats=tuple(_flat_summary(f) for f in ctx.flats),
+        ops=tuple(builder.ops),
+        options={"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch},
+    )
+
+
+def _flat_summary(flat) -> FlatSummary:
+    return FlatSummary(
+        name=flat.name, unit=flat.unit, sharded=flat.sharded, trainable=flat.trainable, numel=flat.numel,
+        padded_numel=flat.padded_numel if flat.sharded else flat.numel,
+        local_numel=flat.shard_numel if flat.sharded else flat.numel, element_size=flat.element_size,
+        members=tuple(m.name for m in flat.members),
+    )
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+class _Builder:
+    """Walks the graph once, merging runs of compute nodes into segments."""
+
+    def __init__(self, ctx: CompileContext):
+        self.ctx = ctx
+        self.ops: list[ScheduleOp] = []
+        self.handles: dict[fx.Node, int] = {}
+        self.gathered: dict[fx.Node, str] = {}  # alias-closure node -> flat name
+        self.segment: dict | None = None
+
+    def add(self, kind: OpKind, phase: str, **fields) -> None:
+        self.ops.append(ScheduleOp(index=len(self.ops), kind=kind, phase=phase, **fields))
+
+    def unit_of(self, flat: str | None) -> str | None:
+        return self.ctx.flat(flat).unit if flat else None
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op in ("placeholder", "output", "get_attr"):
+            return
+        tag = sl_tag(node)
+        kind, flat = tag.get("kind"), tag.get("flat")
+        phase = (phase_of(node) or Phase.FORWARD).value
+        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            self.close_segment()
+            handle = len(self.handles)
+            self.handles[node] = handle
+            nbytes = _nbytes(node) if kind == "all_gather" else _nbytes(node.args[0])
+            self.add(OpKind(kind), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
+                     detail="re-gather for backward" if tag.get("regather") else "")
+        elif kind in ("wait_gather", "wait_reduce"):
+            self.close_segment()
+            self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]))
+            if kind == "wait_gather":
+                for alias in alias_closure(node):
+                    self.gathered[alias] = flat
+        elif kind == "free":
+            self.close_segment()
+            self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_nbytes(node.args[0]))
+        elif phase == Phase.OPTIMIZER.value and tag_of(node, "flat") and not kind:
+            self.extend_segment(node, OpKind.OPTIMIZER, phase, tag_of(node, "flat"))
+        else:
+            self.extend_segment(node, OpKind.COMPUTE, phase, None)
+
+    def extend_segment(self, node: fx.Node, kind: OpKind, phase: str, flat: str | None) -> None:
+        seg = self.segment
+        if seg is None or seg["kind"] is not kind or seg["phase"] != phase or seg["flat"] != flat:
+            self.close_segment()
+            seg = self.segment = {"kind": kind, "phase": phase, "flat": flat, "nodes": 0, "uses": [], "numel": 0}
+        seg["nodes"] += 1
+        for arg in node.all_input_nodes:
+            used = self.gathered.get(arg)
+            if used is not None and used not in seg["uses"]:
+                seg["uses"].append(used)
+        if kind is OpKind.OPTIMIZER and node.args and isinstance(node.args[0], fx.Node):
+            target_schema = getattr(node.target, "_schema", None)
+            if target_schema is not None and target_schema.is_mutable:
+                val = node.args[0].meta.get("val")
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    seg["numel"] = max(seg["numel"], val.numel())
+
+    def close_segment(self) -> None:
+        seg, self.segment = self.segment, None
+        if seg is None:
+            return
+        self.add(seg["kind"], seg["phase"], unit=self.unit_of(seg["flat"]), flat=seg["flat"], nodes=seg["nodes"],
+                 uses=tuple(seg["uses"]), numel=seg["numel"])

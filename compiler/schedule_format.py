@@ -1,0 +1,70 @@
+"""Text rendering of a `Schedule`: the op table and a one-screen summary."""
+
+from __future__ import annotations
+
+from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def format_table(schedule: Schedule, max_rows: int | None = None) -> str:
+    """One row per op: index, phase, kind, unit, payload bytes and what it is."""
+    rows = [("#", "phase", "op", "unit", "bytes", "detail")]
+    for op in schedule.ops:
+        rows.append((str(op.index), op.phase, op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
+                     _detail(op)))
+    if max_rows is not None and len(rows) > max_rows + 1:
+        keep = max_rows // 2
+        rows = rows[: keep + 1] + [("...", "", f"({len(rows) - 1 - 2 * keep} more ops)", "", "", "")] + rows[-keep:]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_summary(schedule: Schedule) -> str:
+    """A one-screen summary: mesh, flat parameters, collectives and bytes per rank per step."""
+    s = schedule.summary
+    mesh = " x ".join(f"{name}={size}" for name, size in schedule.mesh)
+    sharded = [f for f in schedule.flats if f.sharded]
+    lines = [
+        f"schedule: world {schedule.world_size} (mesh {mesh}), {len(schedule.ops)} ops, "
+        f"{len(schedule.flats)} flat parameters ({len(sharded)} sharded)",
+        f"options: {', '.join(f'{k}={v}' for k, v in schedule.options.items())}",
+        f"{'collective':<16}{'count':>7}{'payload/rank':>16}{'on the wire':>16}",
+    ]
+    wire = s.wire_bytes_per_rank
+    for kind in COLLECTIVE_KINDS:
+        k = kind.value
+        lines.append(f"{k:<16}{s.collectives[k]:>7}{human_bytes(s.bytes_per_rank[k]):>16}{human_bytes(wire[k]):>16}")
+    params = sum(f.padded_bytes for f in sharded)
+    local = sum(f.local_numel * f.element_size for f in schedule.flats)
+    lines.append(f"sharded parameters M = {human_bytes(params)} (padded); held per rank: {human_bytes(local)}")
+    return "\n".join(lines)
+
+
+def _unit(unit: str | None) -> str:
+    if unit is None:
+        return ""
+    return unit or "<root>"
+
+
+def _detail(op) -> str:
+    if op.kind in COLLECTIVE_KINDS:
+        return f"h{op.handle} {op.flat}" + (f" ({op.detail})" if op.detail else "")
+    if op.kind is OpKind.WAIT:
+        return f"h{op.handle}"
+    if op.kind is OpKind.COMPUTE:
+        uses = f", reads {', '.join(u for u in op.uses)}" if op.uses else ""
+        return f"{op.nodes} nodes{uses}"
+    if op.kind is OpKind.OPTIMIZER:
+        return f"{op.flat}: {op.numel} elements in place"
+    if op.kind is OpKind.FREE:
+        return op.flat or ""
+    return op.detail

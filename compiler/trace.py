@@ -1,0 +1,206 @@
+"""Trace a whole training step (forward, loss, backward, optimizer) into one aten graph.
+
+The traced function is the *logical*, unsharded step. Its inputs are, in order:
+
+    FLAT    one tensor per flat parameter: its members flattened and concatenated
+    STATE   optimizer state, one tensor per (trainable flat, state name), same size as FLAT
+    STEP    a 0-d float64 count of the updates done so far
+    HYPER   0-d float64 hyperparameters (lr), so a schedule can change them without retracing
+    BUFFER  the module's buffers (BatchNorm statistics are mutated in place)
+    BATCH   the leaves of the per-rank batch
+
+and it returns the loss. Inside, each parameter is a view of its flat input,
+detached into an autograd leaf; `torch.autograd.grad` produces the gradients
+(``torch.func.grad`` broke under symbolic shapes in a trial, autograd.grad did
+not); each trainable flat's gradients are concatenated into one flat gradient;
+and the optimizer updates the flat input and its state in place.
+
+Nodes carry ``meta["custom"]`` tags that the passes read instead of guessing:
+``phase`` (forward / backward / optimizer), ``member`` on the nodes that build a
+parameter's leaf, ``grad_flat`` on the concatenated gradient and ``flat`` on a
+flat parameter's optimizer update.
+
+Note [no decomposition]: make_fx runs without a decomposition table, so
+``scaled_dot_product_attention`` stays one fused forward op with its matching
+backward op. Decomposing the forward alone gives silently wrong gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .errors import TraceError
+from .flat import FlatParam
+from .optim import hyper_tensors
+
+
+class InputRole(enum.Enum):
+    FLAT = "flat"
+    STATE = "state"
+    STEP = "step"
+    HYPER = "hyper"
+    BUFFER = "buffer"
+    BATCH = "batch"
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@attrs.frozen
+class GraphInput:
+    """What one placeholder of the step graph receives."""
+
+    role: InputRole
+    name: str  # flat name, "flat/state", buffer name, hyper name, or batch leaf index
+    flat: str | None = None
+
+
+@attrs.frozen
+class TracedStep:
+    """The traced logical step: its graph, what each input is, and the batch structure."""
+
+    graph_module: torch.fx.GraphModule
+    inputs: tuple[GraphInput, ...]
+    batch_spec: pytree.TreeSpec
+    batch_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def phase_of(node: torch.fx.Node) -> Phase | None:
+    tag = node.meta.get("custom", {}).get("phase")
+    return Phase(tag) if tag else None
+
+
+def tag_of(node: torch.fx.Node, key: str):
+    return node.meta.get("custom", {}).get(key)
+
+
+class _LossModule(torch.nn.Module):
+    """Wraps (model, loss_fn) so `functional_call` can swap in the traced parameters."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
+def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_leaves) -> tuple[GraphInput, ...]:
+    """The input signature of the step graph, in placeholder order."""
+    inputs = [GraphInput(InputRole.FLAT, f.name, f.name) for f in flats]
+    for f in flats:
+        if f.trainable:
+            inputs += [GraphInput(InputRole.STATE, f"{f.name}/{s}", f.name) for s in optimizer.state_names]
+    inputs.append(GraphInput(InputRole.STEP, "step"))
+    inputs += [GraphInput(InputRole.HYPER, k) for k in optimizer.hyper()]
+    inputs += [GraphInput(InputRole.BUFFER, b) for b in buffer_names]
+    inputs += [GraphInput(InputRole.BATCH, str(i)) for i in range(n_batch_leaves)]
+    return tuple(inputs)
+
+
+def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam, ...], optimizer,
+               batch) -> TracedStep:
+    """Trace the unsharded training step of ``model`` with fake tensors (no real weights needed).
+
+    ``batch`` is an example per-rank batch (real or fake); only its shapes and dtypes are used.
+    """
+    buffers = dict(model.named_buffers())
+    batch_leaves, batch_spec = pytree.tree_flatten(batch)
+    inputs = graph_inputs(flats, optimizer, tuple(buffers), len(batch_leaves))
+    fake_mode = _fake_mode_of(model)
+    with fake_mode:
+        flat_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats]
+        state_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats if f.trainable for _ in optimizer.state_names]
+        hyper = hyper_tensors(optimizer)
+        step_input = torch.zeros((), dtype=torch.float64)
+        hyper_inputs = [torch.zeros((), dtype=torch.float64) for _ in hyper]
+    example = [*flat_inputs, *state_inputs, step_input, *hyper_inputs]
+    example += [_to_fake(fake_mode, t) for t in (*buffers.values(), *batch_leaves)]
+    step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper))
+    try:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(step_fn, tracing_mode="fake")(*example)
+    except Exception as exc:  # surface the user's error with where it happened
+        raise TraceError(f"tracing the training step failed: {type(exc).__name__}: {exc}") from exc
+    shapes = tuple((tuple(t.shape), t.dtype) for t in batch_leaves)
+    return TracedStep(gm, inputs, batch_spec, shapes)
+
+
+def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names):
+    n_flat = len(flats)
+    n_state = sum(len(optimizer.state_names) for f in flats if f.trainable)
+
+    def step_fn(*args):
+        flat_in = args[:n_flat]
+        state_in = list(args[n_flat : n_flat + n_state])
+        step = args[n_flat + n_state]
+        rest = args[n_flat + n_state + 1 :]
+        hyper = dict(zip(hyper_names, rest[: len(hyper_names)]))
+        buffers = dict(zip(buffer_names, rest[len(hyper_names) : len(hyper_names) + len(buffer_names)]))
+        batch = pytree.tree_unflatten(list(rest[len(hyper_names) + len(buffer_names) :]), batch_spec)
+
+        leaves, trainable = {}, []
+        for flat, tensor in zip(flats, flat_in):
+            start = 0
+            for m in flat.members:
+                with fx_traceback.annotate({"phase": Phase.FORWARD.value, "member": m.name}):
+                    leaf = tensor[start : start + m.info.numel].view(m.info.shape).detach()
+                    if flat.trainable:
+                        leaf.requires_grad_(True)
+                        trainable.append(leaf)
+                leaves["model." + m.name] = leaf
+                start += m.info.numel
+        named = {**leaves, **{"model." + k: v for k, v in buffers.items()}}
+        with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}):
+            loss = torch.func.functional_call(loss_module, named, (batch,), tie_weights=True, strict=False)
+        _check_loss(loss)
+        with fx_traceback.annotate({"phase": Phase.BACKWARD.value}):
+            grads = list(torch.autograd.grad(loss, trainable, materialize_grads=True)) if trainable else []
+        with torch.no_grad():
+            for flat, tensor in zip(flats, flat_in):
+                if not flat.trainable:
+                    continue
+                mine = [grads.pop(0) for _ in flat.members]
+                with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "grad_flat": flat.name}):
+                    grad = torch.cat([g.reshape(-1) for g in mine])
+                state = [state_in.pop(0) for _ in optimizer.state_names]
+                with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "flat": flat.name}):
+                    optimizer.update_(tensor, grad, state, hyper, step)
+            with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value}):
+                step.add_(1)
+        return loss.detach()
+
+    return step_fn
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+        described = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else repr(type(loss))
+        raise TraceError(f"loss_fn must return a floating-point scalar tensor; it returned {described}")
+    if not loss.requires_grad:
+        raise TraceError("loss_fn returned a loss that does not depend on any trainable parameter")
+
+
+def _fake_mode_of(model: torch.nn.Module) -> FakeTensorMode:
+    for t in (*model.parameters(), *model.buffers()):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, FakeTensor):
+        return t
+    return mode.from_tensor(t)
