@@ -1,0 +1,39 @@
+"""shardlang: declare how a model's parameters lie on a mesh; compile a sharded training step.
+
+Example::
+
+    import shardlang as sl
+
+    spec = sl.Spec(
+        mesh=sl.Mesh(fsdp=-1),                         # all ranks on one axis
+        rules=[("*.ln*.*", sl.replicate()), ("*", sl.shard("fsdp"))],
+        units=["blocks.*"],
+    )
+    step = sl.compile(model, loss_fn, spec, optimizer=sl.AdamW(lr=3e-4), example_batch=batch)
+    print(step.schedule)                               # every gather / free / reduce-scatter, in order
+    loss = step(batch)
+"""
+
+from .api import compile, plan
+from .batch import split_batch
+from .compiler.optim import SGD, Adam, AdamW
+from .compiler.schedule import OpKind, Schedule
+from .compiler.verify import verify
+from .errors import (
+    CompileError,
+    ScheduleError,
+    ShardlangError,
+    ShardlangRuntimeError,
+    SpecError,
+    TraceError,
+)
+from .layout import Replicate, Shard, replicate, shard
+from .mesh import Mesh
+from .spec import Options, ResolvedSpec, Spec
+from .step import Step
+
+__all__ = [
+    "Adam", "AdamW", "CompileError", "Mesh", "OpKind", "Options", "Replicate", "ResolvedSpec", "SGD", "Schedule",
+    "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
+    "compile", "plan", "replicate", "shard", "split_batch", "verify",
+]

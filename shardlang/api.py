@@ -1,0 +1,81 @@
+"""The public entry points: `compile` a sharded training step, or `plan` one without processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .compiler.compile import CompiledStep, compile_step
+from .compiler.optim import AdamW
+from .errors import ShardlangRuntimeError, SpecError
+from .runtime.dist import Backend, DistContext
+from .spec import Spec
+from .step import Step
+
+
+def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
+            dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None) -> Step:
+    """Compile ``model``'s training step for ``spec`` and bind it to this rank.
+
+    ``loss_fn(model, batch)`` returns a scalar loss; ``example_batch`` is a
+    per-rank batch. Every rank must call this with the same model (same
+    initial values), spec and optimizer. Without ``dist_context`` the step
+    joins torch.distributed's default group when one is initialised and runs
+    alone otherwise.
+
+    Example::
+
+        step = sl.compile(model, loss_fn, sl.Spec(sl.Mesh(fsdp=-1)), optimizer=sl.AdamW(lr=1e-3),
+                          example_batch=batch)
+        loss = step(batch)
+    """
+    ctx = dist_context or _current_context()
+    optimizer = optimizer or AdamW(lr=1e-3)
+    compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
+    return Step(compiled, model, optimizer, ctx)
+
+
+def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
+         optimizer=None, example_batch, world_size: int, check_each_pass: bool = False) -> CompiledStep:
+    """Compile for ``world_size`` ranks with fake tensors: no processes, no real weights.
+
+    ``build_model`` is called under a `FakeTensorMode`, so even a model too big
+    for this machine is planned without allocating it. Returns the compiled step;
+    its ``.schedule`` is the plan.
+
+    Example::
+
+        print(sl.plan(make_model, loss_fn, spec, example_batch=batch, world_size=64).schedule)
+    """
+    optimizer = optimizer or AdamW(lr=1e-3)
+    if isinstance(build_model, torch.nn.Module):
+        model = build_model
+    else:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = build_model()
+    return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None)
+
+
+def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
+    if not isinstance(spec, Spec):
+        raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
+    resolved = spec.resolve(model, world_size)
+    return compile_step(
+        model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
+        reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,
+        check_each_pass=check_each_pass, dump_dir=dump_dir,
+    )
+
+
+def _current_context() -> DistContext:
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistContext.single()
+    backend = Backend.parse(dist.get_backend())
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend is Backend.NCCL else torch.device("cpu")
+    if backend is Backend.NCCL and not torch.cuda.is_available():
+        raise ShardlangRuntimeError("the default process group uses NCCL but CUDA is not available")
+    return DistContext(rank, dist.get_world_size(), device.index or 0, backend, device)

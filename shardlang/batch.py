@@ -1,0 +1,58 @@
+"""Batches: splitting a global batch across ranks and checking a per-rank batch.
+
+A batch is a tensor or any pytree (tuple, list, dict) of tensors; every leaf is
+split along dim 0. The batch a compiled step takes is the *per-rank* batch:
+``global_batch_size / world_size`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import ShardlangRuntimeError
+
+
+def split_batch(global_batch, world_size: int, rank: int):
+    """Rank ``rank``'s rows of ``global_batch`` (dim 0 of every leaf, in rank order).
+
+    Example: a ``(16, 8)`` batch over 4 ranks gives rank 1 rows ``4:8``.
+    Raises `ShardlangRuntimeError` when a leaf's batch size does not divide by ``world_size``.
+    """
+    leaves, spec = pytree.tree_flatten(global_batch)
+    parts = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise ShardlangRuntimeError(
+                f"batch leaf {index} is {type(leaf).__name__}{'' if not isinstance(leaf, torch.Tensor) else ' 0-d'}; "
+                "every leaf of a batch must be a tensor with a batch dim 0"
+            )
+        size = leaf.shape[0]
+        if size % world_size:
+            raise ShardlangRuntimeError(
+                f"global batch size {size} (batch leaf {index}, shape {tuple(leaf.shape)}) does not divide by "
+                f"world size {world_size}; use a multiple of {world_size}, e.g. {size - size % world_size or world_size}"
+            )
+        per_rank = size // world_size
+        parts.append(leaf[rank * per_rank : (rank + 1) * per_rank])
+    return pytree.tree_unflatten(parts, spec)
+
+
+def batch_leaves(batch, expected: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torch.device) -> list:
+    """The leaves of a per-rank ``batch``, checked against the shapes the step was compiled for."""
+    leaves, _ = pytree.tree_flatten(batch)
+    if len(leaves) != len(expected):
+        raise ShardlangRuntimeError(
+            f"the batch has {len(leaves)} tensors; the step was compiled for {len(expected)} "
+            "(same structure as the example batch given to compile)"
+        )
+    out = []
+    for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, expected)):
+        if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != shape or leaf.dtype != dtype:
+            got = f"shape {tuple(leaf.shape)}, {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise ShardlangRuntimeError(
+                f"batch leaf {index} has {got}; the step was compiled for shape {shape}, {dtype} per rank "
+                "(the per-rank batch is the global batch divided by the world size)"
+            )
+        out.append(leaf.to(device, non_blocking=True))
+    return out

@@ -1,0 +1,136 @@
+"""The compiled step a rank runs: its shards, its optimizer state, and the bound graph.
+
+Note [initialisation]: every rank builds the same full model (same seed), cuts
+its own shards from it and drops the rest. Parameters therefore start equal to
+what one process would have, which is what the parity tests rely on. (Building
+on the meta device and materialising only shards is the way to models that do
+not fit on a rank; it is not done yet.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .batch import batch_leaves
+from .compiler.compile import CompiledStep
+from .compiler.emit import WORLD_AXIS, bind
+from .compiler.flat import shard_of, unpack_member
+from .compiler.optim import hyper_tensors, init_state
+from .compiler.schedule import Schedule
+from .errors import ShardlangRuntimeError
+from .runtime.dist import DistContext
+
+
+class Step:
+    """One rank's sharded training step. Call it with the per-rank batch; it returns the local loss.
+
+    Example::
+
+        step = sl.compile(model, loss_fn, spec, optimizer=sl.AdamW(lr=3e-4), example_batch=batch)
+        print(step.schedule)
+        loss = step(batch)
+    """
+
+    def __init__(self, compiled: CompiledStep, model: torch.nn.Module, optimizer, ctx: DistContext):
+        self.compiled = compiled
+        self.optimizer = optimizer
+        self.dist = ctx
+        self._check_world(ctx)
+        self._graph = bind(compiled.graph_module, self._group_names(ctx))
+        named = dict(model.named_parameters())
+        device = ctx.device
+        self.flat_tensors = [shard_of(f, named, self._coordinate(f)).to(device).clone() for f in compiled.flats]
+        self.optimizer_state = [s for f, t in zip(compiled.flats, self.flat_tensors) if f.trainable
+                                for s in init_state(optimizer, t)]
+        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
+        self.hyper = {k: v.to(device) for k, v in hyper_tensors(optimizer).items()}
+        self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
+        self._buffer_names = [n for n, _ in model.named_buffers()]
+        if ctx.has_process_group:
+            _check_same_schedule(compiled.schedule, ctx)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.compiled.schedule
+
+    def __call__(self, batch) -> torch.Tensor:
+        leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
+        with torch.no_grad():  # the graph holds its own backward; autograd must not record it again
+            return self._graph(*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(),
+                               *self.buffers, *leaves)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the next steps (no retracing: lr is a graph input)."""
+        self.hyper["lr"].fill_(float(lr))
+
+    @property
+    def steps_done(self) -> int:
+        return int(self.step_count.item())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by name (a collective: call it on every rank)."""
+        out = {}
+        for flat, local in zip(self.compiled.flats, self.flat_tensors):
+            gathered = _all_gather(local, flat.world) if flat.sharded else local
+            for m in flat.members:
+                if flat.sharded:
+                    full = unpack_member(gathered, m.world, m.offset, m.piece_numel, m.kind.value, m.dim,
+                                         list(m.local_shape), list(m.info.shape))
+                else:
+                    full = local[m.offset : m.offset + m.info.numel].view(m.info.shape)
+                out[m.name] = full.detach().clone()
+        return out
+
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers on this rank, by name."""
+        return dict(zip(self._buffer_names, self.buffers))
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copy the trained parameters and buffers into ``model`` (a collective: call it on every rank)."""
+        params = self.full_parameters()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+            for name, b in model.named_buffers():
+                b.copy_(self.full_buffers()[name])
+
+    def _coordinate(self, flat) -> int:
+        # 1-D meshes: a rank's coordinate along the only axis is its rank.
+        return self.dist.rank if flat.sharded else 0
+
+    def _check_world(self, ctx: DistContext) -> None:
+        expected = self.compiled.context.mesh.size
+        if ctx.world_size != expected:
+            raise ShardlangRuntimeError(
+                f"the step was compiled for a mesh of {expected} ranks but runs in a world of {ctx.world_size}"
+            )
+
+    def _group_names(self, ctx: DistContext) -> dict[str, str] | None:
+        if not ctx.has_process_group:
+            return None
+        world = dist.group.WORLD.group_name
+        return {name: world for name in (*self.compiled.context.mesh.names, WORLD_AXIS)}
+
+
+def _all_gather(local: torch.Tensor, world: int) -> torch.Tensor:
+    if world == 1:
+        return local
+    out = local.new_empty(local.numel() * world)
+    dist.all_gather_into_tensor(out, local.contiguous())
+    return out
+
+
+def _check_same_schedule(schedule: Schedule, ctx: DistContext) -> None:
+    """Every rank must run the same program; a mismatch is an error now, not a hang later."""
+    digests: list = [None] * ctx.world_size
+    dist.all_gather_object(digests, schedule.digest())
+    groups: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    if len(groups) > 1:
+        described = "; ".join(f"ranks {ranks} have schedule {d}" for d, ranks in groups.items())
+        raise ShardlangRuntimeError(
+            f"ranks compiled different schedules ({described}); every rank must compile the same model, spec, "
+            "optimizer and per-rank batch shape"
+        )
