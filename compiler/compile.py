@@ -48,7 +48,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     (structural checks only; the final schedule is always verified).
     """
     flats = build_flat_params(params, mesh)
-    traced = trace_step(model, loss_fn, flats, optimizer, example_batch)
+    traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size)
     ctx = CompileContext(flats, mesh, traced.inputs, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     check = _structural_check if check_each_pass else None
     gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)

@@ -19,10 +19,12 @@ from .passes.gather_parameters import gather_parameters
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
 from .passes.shard_optimizer import shard_optimizer
+from .passes.split_batch_stat_reductions import split_batch_stat_reductions
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
+    split_batch_stat_reductions,
     gather_parameters,
     reshard_after_forward,
     reduce_gradients,

@@ -27,6 +27,7 @@ backward op. Decomposing the forward alone gives silently wrong gradients.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 
@@ -40,6 +41,7 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .flat import FlatParam
 from .optim import hyper_tensors
+from .sync_batch_norm import SyncBatchNorm
 
 
 class InputRole(enum.Enum):
@@ -111,10 +113,12 @@ def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam, ...], optimizer,
-               batch) -> TracedStep:
+               batch, data_parallel_size: int = 1) -> TracedStep:
     """Trace the unsharded training step of ``model`` with fake tensors (no real weights needed).
 
-    ``batch`` is an example per-rank batch (real or fake); only its shapes and dtypes are used.
+    ``batch`` is an example per-rank batch (real or fake); only its shapes and
+    dtypes are used. With ``data_parallel_size`` > 1, training-mode BatchNorm is
+    traced synchronised over that many ranks (`compiler.sync_batch_norm`).
     """
     buffers = dict(model.named_buffers())
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
@@ -128,7 +132,8 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
         hyper_inputs = [torch.zeros((), dtype=torch.float64) for _ in hyper]
     example = [*flat_inputs, *state_inputs, step_input, *hyper_inputs]
     example += [_to_fake(fake_mode, t) for t in (*buffers.values(), *batch_leaves)]
-    step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper))
+    step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper),
+                            data_parallel_size)
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(step_fn, tracing_mode="fake")(*example)
@@ -138,7 +143,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
     return TracedStep(gm, inputs, batch_spec, shapes)
 
 
-def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names):
+def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names, data_parallel_size):
     n_flat = len(flats)
     n_state = sum(len(optimizer.state_names) for f in flats if f.trainable)
 
@@ -163,7 +168,8 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
                 leaves["model." + m.name] = leaf
                 start += m.info.numel
         named = {**leaves, **{"model." + k: v for k, v in buffers.items()}}
-        with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}):
+        batch_norm = SyncBatchNorm("*", data_parallel_size) if data_parallel_size > 1 else contextlib.nullcontext()
+        with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}), batch_norm:
             loss = torch.func.functional_call(loss_module, named, (batch,), tie_weights=True, strict=False)
         _check_loss(loss)
         with fx_traceback.annotate({"phase": Phase.BACKWARD.value}):

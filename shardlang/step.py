@@ -117,7 +117,8 @@ def _all_gather(local: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return local
     out = local.new_empty(local.numel() * world)
-    dist.all_gather_into_tensor(out, local.contiguous())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, local.contiguous())
     return out
 
 

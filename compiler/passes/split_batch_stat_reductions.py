@@ -1,0 +1,37 @@
+"""Turn each traced ``shardlang::all_reduce_sum`` (batch statistics) into an issued all-reduce and its wait.
+
+Before: synchronised BatchNorm (`compiler.sync_batch_norm`) left one custom-op
+node per reduction of batch statistics, in forward and in backward.
+After: each is ``all_reduce -> wait`` on the abstract collectives, tagged kind
+"all_reduce" / "wait_reduce" with no flat parameter, so binding, the schedule
+and the verifier treat them like every other collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import collectives
+from ..context import CompileContext
+from ..graph_utils import tag
+from ..trace import phase_of
+
+
+def split_batch_stat_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    graph = gm.graph
+    nodes = [n for n in graph.nodes if n.target is torch.ops.shardlang.all_reduce_sum.default]
+    if not nodes:
+        return gm
+    for node in nodes:
+        x, axis, size = node.args
+        phase = phase_of(node)
+        with graph.inserting_before(node):
+            issued = tag(graph.call_function(collectives.all_reduce, (x, axis, size)), "all_reduce", None, phase,
+                         detail="batch statistics")
+            done = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", None, phase)
+        node.replace_all_uses_with(done)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
