@@ -16,6 +16,15 @@ After, with ``reshard_after_forward`` (ZeRO-3):
     the re-gathered tensor and points backward at the rebuilt chain.
 Without it (ZeRO-2), one ``free`` follows the last use in backward.
 
+Note [keep the last unit]: a unit whose last forward use and first backward
+use have no other gather between them (typically the last block and the root,
+which holds the output head) is not freed and re-gathered: nothing else could
+use the memory in between, so resharding would only add a collective. FSDP2
+leaves the same choice to the user (``reshard_after_forward=False`` on the
+root); the compiler sees it in the graph. A unit whose parameters backward
+never reads (the first layer, when the input needs no gradient) is not
+re-gathered either. Both show in the schedule as a missing "re-gather".
+
 Invariant: every ``wait_gather`` node's alias closure is used only between it
 and exactly one ``free`` node (kind "free") that names it.
 """
@@ -27,7 +36,7 @@ import torch.fx as fx
 from .. import collectives
 from ..context import CompileContext
 from ..graph_utils import alias_closure, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
-from ..trace import Phase
+from ..trace import Phase, phase_of
 
 
 def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -37,7 +46,7 @@ def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
             _regather_for_backward(graph, wait, alias_closure(wait), sl_tag(wait)["flat"])
         collectives.eliminate_dead_code(graph)  # forward views that only backward read
     for wait in _gathered(graph):
-        _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"], Phase(wait.meta["custom"]["phase"]))
+        _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"])
     graph.lint()
     gm.recompile()
     return gm
@@ -54,7 +63,10 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
     is_backward_reader = lambda u: u not in in_closure and phase_is(Phase.BACKWARD)(u)  # noqa: E731
     anchor = first_user(closure, order, is_backward_reader)
     if anchor is None:
-        return None
+        return None  # backward never reads these parameters: no re-gather at all
+    last_forward = last_user(closure, order, lambda u: u not in in_closure and not is_backward_reader(u))
+    if last_forward is not None and not _gathers_between(graph, order[last_forward], order[anchor]):
+        return None  # Note [keep the last unit]
     issue = wait.args[0]
     with graph.inserting_before(anchor):
         reissued = tag(graph.call_function(collectives.all_gather, issue.args), "all_gather", flat, Phase.BACKWARD,
@@ -74,6 +86,10 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
     return rewait
 
 
+def _gathers_between(graph: fx.Graph, start: int, end: int) -> bool:
+    return any(sl_tag(n).get("kind") == "all_gather" for i, n in enumerate(graph.nodes) if start < i < end)
+
+
 def _reaches_backward(node: fx.Node, in_closure, is_backward_reader) -> bool:
     """Whether a backward node reads ``node`` directly or through further views in the closure."""
     stack = [node]
@@ -87,11 +103,12 @@ def _reaches_backward(node: fx.Node, in_closure, is_backward_reader) -> bool:
     return False
 
 
-def _insert_free(graph: fx.Graph, closure: list[fx.Node], flat: str, phase: Phase) -> None:
+def _insert_free(graph: fx.Graph, closure: list[fx.Node], flat: str) -> None:
+    """A ``free`` right after the last read of anything in ``closure``, in that read's phase."""
     order = positions(graph)
     members = set(closure)
     last = last_user(closure, order, lambda u: u not in members)
     if last is None:
         last = closure[-1]
     with graph.inserting_after(last):
-        tag(graph.call_function(collectives.free, tuple(closure)), "free", flat, phase)
+        tag(graph.call_function(collectives.free, tuple(closure)), "free", flat, phase_of(last) or Phase.FORWARD)
