@@ -1,0 +1,412 @@
+"""`Spec`: how a model's parameters are laid out over a mesh, and `ResolvedSpec`, a spec met with a model.
+
+A spec has four parts: the mesh (`shardlang.mesh`), the rules that give each
+parameter a layout (`shardlang.rules`), the units that are gathered together
+(`shardlang.units`), and `Options`. It is written in Python::
+
+    spec = Spec(
+        mesh=Mesh(fsdp=4),
+        rules=[("*.ln*.*", replicate()), ("*", shard("fsdp"))],
+        units=["blocks.*"],
+    )
+
+or read from a dict or TOML file (`Spec.from_dict`, `Spec.from_toml`; the format
+is in docs/spec.md). A spec checks itself when built; `Spec.resolve` checks it
+against a model and a world size and gives the compiler plain `ParamInfo` data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import attrs
+from torch import nn
+
+from shardlang.compiler.errors import SpecError
+from shardlang.compiler.placement import MeshShape, ParamInfo, Placement
+from shardlang.layout import Layout, Replicate, Shard, shard
+from shardlang.mesh import Mesh, check_world_size
+from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
+from shardlang.units import find_units, to_units, unit_label, unit_of
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["Options", "ResolvedSpec", "Spec"]
+
+_SPEC_KEYS = ("mesh", "rules", "units", "options")
+_OPTION_KEYS = ("reshard_after_forward", "prefetch")
+_SHOWN_NAMES = 12
+
+
+def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"Options.{attribute.name} is {value!r}; it must be True or False")
+
+
+def _check_prefetch(_instance: object, _attribute: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(
+            f"Options.prefetch is {value!r}; it must be an int >= 0 "
+            "(0: gather each unit when it is needed; k: gather up to k units ahead)"
+        )
+
+
+@attrs.frozen
+class Options:
+    """How the compiled step trades memory for overlap.
+
+    - ``reshard_after_forward``: free each unit's gathered parameters after its
+      forward and gather them again for its backward (ZeRO-3, least memory); False
+      keeps them from forward to backward (ZeRO-2-like, one gather fewer per unit).
+    - ``prefetch``: how many units ahead to issue the next all-gather, so it overlaps
+      the current unit's compute; 0 gathers each unit only when it is needed.
+
+    Example: ``Options(reshard_after_forward=False, prefetch=2)``.
+    """
+
+    reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
+    prefetch: int = attrs.field(default=1, validator=_check_prefetch)
+
+    def to_dict(self) -> dict[str, object]:
+        """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
+        return {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
+
+
+def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
+    if not isinstance(mesh, Mesh):
+        raise SpecError(f"Spec mesh is {mesh!r}; it must be a Mesh, e.g. Mesh(fsdp=4) or Mesh(fsdp=-1)")
+
+
+def _check_rule_axes(spec: Spec, _attribute: object, rules: tuple[Rule, ...] | None) -> None:
+    for i, rule in enumerate(rules or ()):
+        layout = rule.layout
+        if isinstance(layout, Shard) and layout.axis not in spec.mesh.axis_names:
+            raise SpecError(
+                f"rules[{i}] = {rule!r} shards over axis {layout.axis!r}, which is not an axis of "
+                f"{spec.mesh!r}; valid axes are {list(spec.mesh.axis_names)}"
+            )
+
+
+def _check_options(_instance: object, _attribute: object, options: object) -> None:
+    if not isinstance(options, Options):
+        raise SpecError(f"Spec options is {options!r}; it must be an Options, e.g. Options(prefetch=1)")
+
+
+def _rules_or_default(value: object) -> tuple[Rule, ...] | None:
+    return None if value is None else to_rules(value)
+
+
+@attrs.frozen
+class Spec:
+    """A sharding spec: mesh, rules (first match wins), units and options.
+
+    ``rules`` defaults to ``[("*", shard(<first mesh axis>))]``: every parameter
+    sharded flat. ``units`` defaults to None: the repeated children of every
+    ModuleList / Sequential. Lists become tuples; everything is checked here, and
+    again against the model in `resolve`. ``source`` says where the spec came from
+    (a file, a table) for error messages; it is not part of the value. Example::
+
+        >>> from shardlang.layout import replicate, shard
+        >>> spec = Spec(Mesh(fsdp=4), rules=[("ln*", replicate()), ("*", shard("fsdp"))], units=["blocks.*"])
+        >>> spec.rules
+        (Rule('ln*', replicate()), Rule('*', shard('fsdp')))
+        >>> spec.units, spec.options
+        (('blocks.*',), Options(reshard_after_forward=True, prefetch=1))
+        >>> Spec(Mesh(fsdp=-1)).rules
+        (Rule('*', shard('fsdp')),)
+    """
+
+    mesh: Mesh = attrs.field(validator=_check_mesh)
+    rules: tuple[Rule, ...] = attrs.field(default=None, converter=_rules_or_default, validator=_check_rule_axes)
+    units: tuple[str, ...] | None = attrs.field(default=None, converter=to_units)
+    options: Options = attrs.field(factory=Options, validator=_check_options)
+    source: str = attrs.field(default="the spec", kw_only=True, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.rules is None:
+            object.__setattr__(self, "rules", (Rule("*", shard(self.mesh.axis_names[0])),))
+
+    # -- plain-dict and TOML forms ------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object], source: str = "the spec dict") -> Spec:
+        """A spec from its plain-dict form, such as a parsed TOML table. ``source`` names it in errors.
+
+        Keys: ``mesh`` (required; axis name -> size), ``rules`` (a list of tables with
+        ``pattern``, ``layout`` = ``"shard"`` / ``"replicate"``, and for shard ``axis``
+        and an optional ``dim``), ``units`` (a list of patterns), ``options``. Example::
+
+            >>> from shardlang.layout import replicate, shard
+            >>> spec = Spec.from_dict({
+            ...     "mesh": {"fsdp": 4},
+            ...     "rules": [
+            ...         {"pattern": "ln*", "layout": "replicate"},
+            ...         {"pattern": "*", "layout": "shard", "axis": "fsdp"},
+            ...     ],
+            ...     "units": ["blocks.*"],
+            ... })
+            >>> spec == Spec(Mesh(fsdp=4), rules=[("ln*", replicate()), ("*", shard("fsdp"))], units=["blocks.*"])
+            True
+        """
+        with _prefixed(source):
+            if not isinstance(d, Mapping):
+                raise SpecError(f"the spec is {d!r}; it must be a table with keys {list(_SPEC_KEYS)}")
+            _check_keys(d, _SPEC_KEYS, "the spec")
+            if "mesh" not in d:
+                raise SpecError("missing key 'mesh', a table of axis sizes such as {fsdp = 4}")
+            mesh = _mesh_from_dict(d["mesh"])
+            rules = None
+            if "rules" in d:
+                raw = d["rules"]
+                if not isinstance(raw, list):
+                    raise SpecError(f"rules is {raw!r}; it must be a list of rule tables ([[rules]] in TOML)")
+                rules = [rule_from_dict(r, f"rules[{i}]") for i, r in enumerate(raw)]
+            options = _options_from_dict(d.get("options", {}))
+            return cls(mesh, rules=rules, units=d.get("units"), options=options, source=source)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, table: str | None = None) -> Spec:
+        """A spec from a TOML file: the ``[shardlang]`` table if there is one, else the whole file.
+
+        ``table`` picks another (dotted) table, e.g. ``"tool.shardlang"``. Example::
+
+            spec = Spec.from_toml("train.toml")          # [shardlang] mesh = {fsdp = 4} ...
+        """
+        path = Path(path)
+        try:
+            doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError(f"{path}: not valid TOML: {e}") from None
+        if table is None:
+            table = "shardlang" if "shardlang" in doc else ""
+            if not table and "mesh" not in doc:
+                raise SpecError(
+                    f"{path}: no [shardlang] table and no top-level 'mesh'; put the spec in a [shardlang] "
+                    f"table, or make the whole file a spec (keys {list(_SPEC_KEYS)}); top-level keys are {sorted(doc)}"
+                )
+        node: object = doc
+        for key in table.split(".") if table else ():
+            if not isinstance(node, Mapping) or key not in node:
+                found = sorted(node) if isinstance(node, Mapping) else []
+                raise SpecError(f"{path}: no table [{table}] (missing {key!r}); top-level keys are {found}")
+            node = node[key]
+        source = f"{path} [{table}]" if table else str(path)
+        return cls.from_dict(node, source=source)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """The plain-dict form; ``Spec.from_dict(spec.to_dict()) == spec``. ``units`` is left out when None.
+
+        Example: ``Spec(Mesh(fsdp=2)).to_dict()["rules"] == [{"pattern": "*", "layout": "shard", "axis": "fsdp"}]``.
+        """
+        d: dict[str, object] = {"mesh": dict(self.mesh.axes), "rules": [r.to_dict() for r in self.rules]}
+        if self.units is not None:
+            d["units"] = list(self.units)
+        d["options"] = self.options.to_dict()
+        return d
+
+    def to_toml(self, table: str | None = "shardlang") -> str:
+        """The TOML form, in table ``[table]`` (None: the whole file); `from_toml` reads it back.
+
+        Example: ``Path("spec.toml").write_text(spec.to_toml())``.
+        """
+        return _to_toml(self.to_dict(), table)
+
+    # -- meeting the model ----------------------------------------------------------------------
+
+    def resolve(self, model: nn.Module, world_size: int) -> ResolvedSpec:
+        """Check this spec against ``model`` and ``world_size``; give every parameter its placement and unit.
+
+        Walks ``model.named_parameters()`` (a tied parameter once, by its first name).
+        Raises `SpecError` when the mesh does not fit the world size, a parameter
+        matches no rule, a rule decides no parameter, a unit pattern matches no
+        module, or a rule names a dim a parameter does not have. The model may live
+        on the meta device. Example::
+
+            resolved = spec.resolve(model, world_size=4)
+            resolved.param("blocks.0.attn.qkv.weight").placement
+        """
+        if not isinstance(model, nn.Module):
+            raise SpecError(f"{self.source}: resolve() needs a torch.nn.Module, got {type(model).__name__}")
+        world_size = check_world_size(world_size, f"{self.source}: world size")
+        with _prefixed(self.source):
+            mesh = self.mesh.bind(world_size).shape
+            named = list(model.named_parameters())
+            winners = [first_match(self.rules, name) for name, _ in named]
+            self._check_every_param_matches(named, winners)
+            self._check_every_rule_decides(named, winners)
+            units = frozenset(find_units(model, self.units))
+            params, failures = [], []
+            for (name, p), i in zip(named, winners):
+                try:
+                    placement = self.rules[i].layout.to_placement(tuple(p.shape), name)  # type: ignore[index]
+                except SpecError as e:
+                    failures.append((i, name, e))
+                    continue
+                unit = unit_of(name, units)
+                info = ParamInfo(
+                    name=name, shape=p.shape, dtype=p.dtype, trainable=p.requires_grad, unit=unit, placement=placement
+                )
+                params.append(info)
+            self._check_no_failed_placements(failures)
+        return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options)
+
+    def _check_no_failed_placements(self, failures: list[tuple[int, str, SpecError]]) -> None:
+        if not failures:
+            return
+        i, _, first = failures[0]
+        others = [name for _, name, _ in failures[1:]]
+        also = f"; {len(others)} more parameters ask for dims they lack: {_some(others)}" if others else ""
+        raise SpecError(f"rules[{i}] = {self.rules[i]!r}: {first}{also}")
+
+    def _check_every_param_matches(self, named: list, winners: list[int | None]) -> None:
+        missing = [name for (name, _), i in zip(named, winners) if i is None]
+        if missing:
+            what = "parameter" if len(missing) == 1 else f"{len(missing)} parameters"
+            verb = "matches" if len(missing) == 1 else "match"
+            raise SpecError(
+                f"{what} {_some(missing)} {verb} no rule; every parameter must match one. The rules are "
+                f"{list(self.rules)}; add a rule for them, or end with a catch-all such as "
+                f"('*', shard({self.mesh.axis_names[0]!r}))"
+            )
+
+    def _check_every_rule_decides(self, named: list, winners: list[int | None]) -> None:
+        decided = set(winners)
+        names = [name for name, _ in named]
+        for i, rule in enumerate(self.rules):
+            if i in decided:
+                continue
+            matched = [name for name in names if rule.matches(name)]
+            if not matched:
+                raise SpecError(
+                    f"rules[{i}] = {rule!r} matches no parameter; patterns match whole parameter names, "
+                    f"such as {_some(names) or '(the model has no parameters)'}"
+                )
+            earlier = sorted({first_match(self.rules, name) for name in matched})
+            raise SpecError(
+                f"rules[{i}] = {rule!r} decides no parameter: every one it matches ({_some(matched)}) "
+                f"is taken by an earlier rule ({', '.join(f'rules[{j}] = {self.rules[j]!r}' for j in earlier)}); "
+                "the first match wins, so move it before them or remove it"
+            )
+
+
+@attrs.frozen
+class ResolvedSpec:
+    """A spec met with a model and a world size: the plain data the compiler consumes.
+
+    ``params`` follows ``model.named_parameters()`` order. Example::
+
+        resolved = Spec(Mesh(fsdp=-1)).resolve(model, world_size=2)
+        resolved.mesh == MeshShape((("fsdp", 2),))
+        print(resolved.describe())
+    """
+
+    mesh: MeshShape
+    params: tuple[ParamInfo, ...] = attrs.field(converter=tuple)
+    options: Options
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The units that hold parameters, in order of their first parameter; ``""`` is the root."""
+        return tuple(dict.fromkeys(p.unit for p in self.params))
+
+    def param(self, name: str) -> ParamInfo:
+        """The `ParamInfo` named ``name``. Example: ``resolved.param("head.weight").unit``."""
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise SpecError(f"no parameter named {name!r}; the parameters are {_some([p.name for p in self.params])}")
+
+    def describe(self) -> str:
+        """A table of every parameter: name, shape, dtype, trainable, unit, layout. Example: ``print(r.describe())``."""
+        rows = [("parameter", "shape", "dtype", "trainable", "unit", "layout")]
+        for p in self.params:
+            dtype = str(p.dtype).removeprefix("torch.")
+            layout = repr(_layout_of(p.placement))
+            rows.append((p.name, str(list(p.shape)), dtype, str(p.trainable), unit_label(p.unit), layout))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _layout_of(placement: Placement) -> Layout:
+    """The layout that gives ``placement`` (a dim already made non-negative)."""
+    if not placement.is_sharded:
+        return Replicate()
+    return Shard(placement.axis, placement.dim)  # type: ignore[arg-type]
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else "")
+
+
+@contextlib.contextmanager
+def _prefixed(source: str) -> Iterator[None]:
+    """Re-raise any `SpecError` inside with ``source:`` in front, so the message says where it came from."""
+    try:
+        yield
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def _check_keys(d: Mapping[str, object], valid: tuple[str, ...], where: str) -> None:
+    for key in d:
+        if key not in valid:
+            raise SpecError(f"unknown key {key!r} in {where}; valid keys are {list(valid)}")
+
+
+def _mesh_from_dict(raw: object) -> Mesh:
+    if not isinstance(raw, Mapping) or not raw:
+        raise SpecError(f"mesh is {raw!r}; it must be a table of axis sizes such as {{fsdp = 4}} or {{fsdp = -1}}")
+    if not all(isinstance(k, str) for k in raw):
+        raise SpecError(f"mesh is {raw!r}; its keys must be axis names (strings) such as 'fsdp'")
+    return Mesh(**raw)
+
+
+def _options_from_dict(raw: object) -> Options:
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"options is {raw!r}; it must be a table with keys {list(_OPTION_KEYS)}")
+    _check_keys(raw, _OPTION_KEYS, "options")
+    return Options(**raw)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        escaped = "".join(c if c.isprintable() and c not in '"\\' else _toml_escape(c) for c in value)
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")  # internal: to_dict gives only the types above
+
+
+def _toml_escape(c: str) -> str:
+    simple = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return simple.get(c) or (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+
+
+def _to_toml(d: dict[str, object], table: str | None) -> str:
+    """TOML text for a dict of scalars, lists of scalars, tables, and lists of tables (to_dict's output)."""
+    prefix = f"{table}." if table else ""
+    head = [f"[{table}]"] if table else []
+    body: list[str] = []
+    for key, value in d.items():
+        if isinstance(value, dict):
+            body += ["", f"[{prefix}{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for item in value:
+                body += ["", f"[[{prefix}{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in item.items()]
+        else:
+            head.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(head + body).strip("\n") + "\n"
