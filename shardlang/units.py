@@ -72,6 +72,9 @@ def to_units(value: object) -> tuple[str, ...] | None:
 def default_units(model: nn.Module) -> tuple[str, ...]:
     """The default units: children of ModuleList / Sequential that share their class with a sibling.
 
+    Only the outermost such children count: the layers inside a repeated block
+    belong to the block's unit rather than forming tiny units of their own.
+
     Example: for ``nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))``
     the units are ``('0', '2')``; the ReLU (alone of its class) stays in the root.
     """
@@ -83,7 +86,7 @@ def default_units(model: nn.Module) -> tuple[str, ...]:
         counts = Counter(type(child) for _, child in children)
         prefix = f"{name}." if name else ""
         units.extend(prefix + child_name for child_name, child in children if counts[type(child)] >= 2)
-    return _in_module_order(model, set(units))
+    return _in_module_order(model, set(_outermost(units)))
 
 
 def _outermost(names: Sequence[str]) -> list[str]:
