@@ -16,6 +16,7 @@ import torch.fx as fx
 from .context import CompileContext
 from .errors import CompileError
 from .passes.gather_parameters import gather_parameters
+from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
 from .passes.shard_optimizer import shard_optimizer
@@ -27,6 +28,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     split_batch_stat_reductions,
     gather_parameters,
     reshard_after_forward,
+    prefetch_gathers,
     reduce_gradients,
     shard_optimizer,
 )

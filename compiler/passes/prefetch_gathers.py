@@ -1,0 +1,49 @@
+"""Issue each all-gather ``prefetch`` units early, so it runs while earlier units compute.
+
+Before: every gather is issued right before its own wait, just ahead of the
+unit's first use, so the compute waits for the whole transfer.
+After: within forward, and within backward, the gathers form a sequence
+g0, g1, g2, ... in the order their waits appear. With depth d, the issue of
+g(i+d) moves to just after the wait of g(i): while unit i computes, the next d
+units are already in flight. Waits stay where they are (just before first
+use), so correctness is untouched; memory grows by up to d gathered units,
+which the schedule shows. Depth 0 leaves the graph as it is.
+
+Invariant: every gather is still issued after its input exists and before its
+wait; only the issue nodes move, and only earlier.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..context import CompileContext
+from ..graph_utils import sl_tag
+from ..trace import Phase, phase_of
+
+
+def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    if ctx.prefetch <= 0:
+        return gm
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        waits = [n for n in gm.graph.nodes if sl_tag(n).get("kind") == "wait_gather" and phase_of(n) is phase]
+        for i, wait in enumerate(waits):
+            ahead = i + ctx.prefetch
+            if ahead >= len(waits):
+                break
+            issue = waits[ahead].args[0]
+            # Only move earlier: the target spot must precede the issue's current place.
+            if _comes_before(wait, issue):
+                wait.append(issue)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _comes_before(a: fx.Node, b: fx.Node) -> bool:
+    node = a.next
+    while node is not a.graph._root:
+        if node is b:
+            return True
+        node = node.next
+    return False
