@@ -1,0 +1,259 @@
+"""Job files: a model, its loss and its data in one plain Python file, loaded by path.
+
+A job file defines these module-level names (docs/CONTRACT.md, "Job file format")::
+
+    def build_model() -> torch.nn.Module: ...        # called after torch.manual_seed(seed); deterministic
+    def loss_fn(model, batch) -> torch.Tensor: ...   # scalar loss, mean-reduced over the (per-rank) batch
+    def make_batch(step: int): ...                   # the GLOBAL batch for `step`: a tensor or pytree of tensors
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))            # optional (this is the default)
+    optimizer = sl.AdamW(lr=1e-3)                    # optional (this is the default)
+    dtype = torch.float32                            # optional: convert the model and floating batch leaves
+
+`load_job` imports the file under a module name of its own (so two job files
+with the same stem do not collide) and checks those names, and `build` and
+`global_batch` apply the seed and the dtype the same way on every rank and in
+the single-process reference. `reference_optimizer` maps shardlang's optimizer
+descriptors to the `torch.optim` optimizer with the same semantics.
+
+Example::
+
+    job = load_job("examples/mlp.py")
+    model = build(job, seed=0)
+    loss = job.loss_fn(model, global_batch(job, 0))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from .compiler.optim import SGD, Adam, AdamW
+from .errors import SpecError
+from .mesh import Mesh
+from .spec import Spec
+
+JOB_FORM = """\
+a job file defines, at module level:
+    def build_model() -> torch.nn.Module: ...
+    def loss_fn(model, batch) -> torch.Tensor: ...
+    def make_batch(step: int): ...            # the global batch for `step`
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))     # optional
+    optimizer = sl.AdamW(lr=1e-3)             # optional
+    dtype = torch.float32                     # optional"""
+
+# name -> (positional arguments it is called with, the form shown in errors)
+_FUNCTIONS = {
+    "build_model": (0, "def build_model() -> torch.nn.Module"),
+    "loss_fn": (2, "def loss_fn(model, batch) -> torch.Tensor"),
+    "make_batch": (1, "def make_batch(step: int)"),
+}
+_module_ids = itertools.count()
+
+
+def default_spec() -> Spec:
+    """The spec of a job file that defines none: every parameter sharded flat over all ranks."""
+    return Spec(mesh=Mesh(fsdp=-1))
+
+
+def default_optimizer() -> AdamW:
+    """The optimizer of a job file that defines none."""
+    return AdamW(lr=1e-3)
+
+
+@attrs.frozen
+class Job:
+    """A loaded job file: what to build, what to minimise, on which data, sharded how.
+
+    ``dtype`` is None when the file does not set one (the model keeps the dtype it is built in).
+
+    Example::
+
+        job = load_job("examples/gpt.py")
+        job.spec        # Spec(mesh=Mesh(fsdp=-1), ...)
+    """
+
+    path: Path
+    build_model: Callable[[], torch.nn.Module]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    make_batch: Callable[[int], Any]
+    spec: Spec = attrs.field(factory=default_spec)
+    optimizer: SGD | Adam | AdamW = attrs.field(factory=default_optimizer)
+    dtype: torch.dtype | None = None
+
+
+def load_job(path: str | Path) -> Job:
+    """Import the job file at ``path`` and check the names it must define.
+
+    Raises `SpecError` when the file does not exist, fails to import (the
+    message carries the original error and the line of the job file it came
+    from), or lacks a required name or defines one of the wrong kind.
+
+    Example::
+
+        >>> load_job("examples/mlp.py").optimizer
+        SGD(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
+    """
+    file = Path(path)
+    if not file.is_file():
+        where = "is a directory" if file.is_dir() else "does not exist"
+        raise SpecError(f"job file {str(path)!r} {where} (looked at {file.resolve()}); "
+                        "give the path of a Python file, e.g. examples/mlp.py")
+    file = file.resolve()
+    module = _import_file(file, shown=str(path))
+    return _job_from_module(module, file, shown=str(path))
+
+
+def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``job.build_model()`` under ``torch.manual_seed(seed)``, converted to ``dtype`` (default: the job's).
+
+    Every rank and the single-process reference build through here, so they start from
+    the same weights. Raises `SpecError` when ``build_model`` returns something else
+    than an ``nn.Module``.
+
+    Example::
+
+        model = build(load_job("examples/mlp.py"), seed=0, dtype=torch.float64)
+    """
+    torch.manual_seed(seed)
+    model = job.build_model()
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(f"build_model() in {job.path} returned {type(model).__name__}, not a torch.nn.Module; "
+                        f"expected: {_FUNCTIONS['build_model'][1]}")
+    dtype = dtype or job.dtype
+    return model.to(dtype) if dtype is not None else model
+
+
+def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
+    """``job.make_batch(step)`` with its floating-point leaves converted to ``dtype`` (default: the job's).
+
+    Integer leaves (token ids, class labels) are left alone.
+
+    Example::
+
+        x, y = global_batch(load_job("examples/mlp.py"), 0, torch.float64)
+    """
+    batch = job.make_batch(step)
+    dtype = dtype or job.dtype
+    if dtype is None:
+        return batch
+    return pytree.tree_map(
+        lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, batch
+    )
+
+
+def reference_optimizer(opt: SGD | Adam | AdamW, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer with the semantics of shardlang's ``opt``, over ``params``.
+
+    Used by ``shardlang check`` as the single-process reference.
+
+    Example::
+
+        model = build(job)
+        torch_opt = reference_optimizer(job.optimizer, model.parameters())   # e.g. torch.optim.AdamW
+    """
+    params = list(params)
+    kind = type(opt)  # exact type: AdamW is a subclass of Adam
+    if kind is SGD:
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, dampening=opt.dampening,
+                               weight_decay=opt.weight_decay, nesterov=opt.nesterov)
+    if kind is Adam:
+        return torch.optim.Adam(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if kind is AdamW:
+        return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    raise SpecError(f"optimizer {opt!r} has no torch.optim reference; expected sl.SGD, sl.Adam or sl.AdamW")
+
+
+def _import_file(file: Path, shown: str):
+    """Execute ``file`` as a fresh module registered under a unique name (dataclasses and pickle look it up)."""
+    stem = re.sub(r"\W", "_", file.stem)
+    name = f"_shardlang_job_{stem}_{next(_module_ids)}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"job file {shown!r} cannot be imported as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # Like `python FILE`: the file's directory is importable while it runs (helpers next to the job).
+    directory = str(file.parent)
+    added = directory not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[name]
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt, SystemExit
+        raise SpecError(f"job file {shown!r} failed to import: {_describe(exc, file)}") from exc
+    finally:
+        if added:
+            sys.path.remove(directory)
+    return module
+
+
+def _describe(exc: Exception, file: Path) -> str:
+    """``Type: message`` plus the line of the job file the error came from."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError):
+        return text  # its message already names the file and line
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == file]
+    if frames:
+        text += f" (at line {frames[-1].lineno}: {frames[-1].line})"
+    return text
+
+
+def _job_from_module(module, file: Path, shown: str) -> Job:
+    missing = [name for name in _FUNCTIONS if not hasattr(module, name)]
+    if missing:
+        names = ", ".join(missing)
+        raise SpecError(f"job file {shown!r} does not define {names}; {JOB_FORM}")
+    for name, (nargs, form) in _FUNCTIONS.items():
+        _check_function(getattr(module, name), name, nargs, form, shown)
+    spec = getattr(module, "spec", None)
+    if spec is None:
+        spec = default_spec()
+    elif not isinstance(spec, Spec):
+        raise SpecError(f"job file {shown!r}: spec is {type(spec).__name__} {spec!r}, not a shardlang.Spec; "
+                        "expected e.g. spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))")
+    optimizer = getattr(module, "optimizer", None)
+    if optimizer is None:
+        optimizer = default_optimizer()
+    elif type(optimizer) not in (SGD, Adam, AdamW):
+        raise SpecError(f"job file {shown!r}: optimizer is {type(optimizer).__name__} {optimizer!r}; "
+                        "expected sl.SGD(...), sl.Adam(...) or sl.AdamW(...), e.g. optimizer = sl.AdamW(lr=1e-3)")
+    dtype = getattr(module, "dtype", None)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise SpecError(f"job file {shown!r}: dtype is {dtype!r}; expected a floating torch.dtype, "
+                        "e.g. dtype = torch.float32")
+    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype)
+
+
+def _check_function(value, name: str, nargs: int, form: str, shown: str) -> None:
+    """``value`` must be callable with ``nargs`` positional arguments."""
+    if not callable(value):
+        raise SpecError(f"job file {shown!r}: {name} is {type(value).__name__} {_short(value)}, not a function; "
+                        f"expected: {form}")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check
+    try:
+        signature.bind(*range(nargs))
+    except TypeError:
+        raise SpecError(f"job file {shown!r}: {name}{signature} cannot be called with {nargs} positional "
+                        f"argument{'' if nargs == 1 else 's'}; expected: {form}") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
