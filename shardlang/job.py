@@ -1,6 +1,6 @@
 """Job files: a model, its loss and its data in one plain Python file, loaded by path.
 
-A job file defines these module-level names (docs/CONTRACT.md, "Job file format")::
+A job file defines these module-level names (docs/cli.md, "Job files")::
 
     def build_model() -> torch.nn.Module: ...        # called after torch.manual_seed(seed); deterministic
     def loss_fn(model, batch) -> torch.Tensor: ...   # scalar loss, mean-reduced over the (per-rank) batch
