@@ -1,7 +1,7 @@
 """Job file: the smallest one. A 3-layer MLP regresses a fixed nonlinear function of its input.
 
 Run it with ``shardlang run examples/mlp.py --nproc 2``. Every name below is part
-of the job file format (docs/CONTRACT.md); ``spec`` shards every parameter flat
+of the job file format (docs/cli.md); ``spec`` shards every parameter flat
 over all ranks. The spec names no units, so the default applies: the three Linear
 layers are siblings of one class in an ``nn.Sequential``, so each (``0``, ``2``, ``4``)
 is a unit.

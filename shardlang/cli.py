@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                            description="Train FILE's job sharded over N ranks; rank 0 prints the global loss per "
                                        "step and the schedule. Under torchrun (WORLD_SIZE set) the ranks are "
                                        "torchrun's and --nproc, if given, must equal WORLD_SIZE.")
-    run.add_argument("file", metavar="FILE", help="job file (see docs/CONTRACT.md)")
+    run.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     run.add_argument("--nproc", metavar="N", type=_positive("a number of ranks"), default=None,
                      help="number of ranks (default: WORLD_SIZE under torchrun, else 1)")
     run.add_argument("--steps", metavar="K", type=_positive("a number of steps"), default=DEFAULT_RUN_STEPS,
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = verbs.add_parser("plan", help="print the schedule for N ranks without starting any process",
                             description="Compile FILE's job for N ranks with fake tensors and print its schedule.")
-    plan.add_argument("file", metavar="FILE", help="job file (see docs/CONTRACT.md)")
+    plan.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     plan.add_argument("--world", metavar="N", type=_positive("a world size"), required=True, help="world size")
     plan.add_argument("--json", action="store_true", help="print the schedule as one JSON object (only that)")
     plan.set_defaults(command=_cmd_plan)
@@ -158,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                              description="Train FILE's job sharded at each world size and in one process with "
                                          "torch.optim on the same global batches; compare the parameters. "
                                          "Exit 1 if any world size is outside the tolerance for the dtype.")
-    check.add_argument("file", metavar="FILE", help="job file (see docs/CONTRACT.md)")
+    check.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     check.add_argument("--world-sizes", metavar="N,N,...", type=_world_sizes, default=(1, 2, 4),
                        help="comma-separated world sizes (default 1,2,4)")
     check.add_argument("--steps", metavar="K", type=_positive("a number of steps"), default=DEFAULT_CHECK_STEPS,
