@@ -29,6 +29,7 @@ from shardlang.compiler.errors import SpecError
 from shardlang.compiler.placement import MeshShape, ParamInfo, Placement
 from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
+from shardlang.precision import MixedPrecision
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang.units import find_units, to_units, unit_label, unit_of
 
@@ -40,7 +41,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "options")
-_OPTION_KEYS = ("reshard_after_forward", "prefetch")
+_OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision")
 _SHOWN_NAMES = 12
 
 
@@ -54,6 +55,14 @@ def _check_prefetch(_instance: object, _attribute: object, value: object) -> Non
         raise SpecError(
             f"Options.prefetch is {value!r}; it must be an int >= 0 "
             "(0: gather each unit when it is needed; k: gather up to k units ahead)"
+        )
+
+
+def _check_mixed_precision(_instance: object, _attribute: object, value: object) -> None:
+    if value is not None and not isinstance(value, MixedPrecision):
+        raise SpecError(
+            f"Options.mixed_precision is {value!r}; it must be None or "
+            "sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
         )
 
 
@@ -72,10 +81,14 @@ class Options:
 
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
     prefetch: int = attrs.field(default=1, validator=_check_prefetch)
+    mixed_precision: MixedPrecision | None = attrs.field(default=None, validator=_check_mixed_precision)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
-        return {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
+        d: dict[str, object] = {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
+        if self.mixed_precision is not None:
+            d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
+        return d
 
 
 def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
@@ -375,6 +388,9 @@ def _options_from_dict(raw: object) -> Options:
     if not isinstance(raw, Mapping):
         raise SpecError(f"options is {raw!r}; it must be a table with keys {list(_OPTION_KEYS)}")
     _check_keys(raw, _OPTION_KEYS, "options")
+    raw = dict(raw)
+    if raw.get("mixed_precision") is not None:
+        raw["mixed_precision"] = MixedPrecision.from_dict(dict(raw["mixed_precision"]))
     return Options(**raw)
 
 
