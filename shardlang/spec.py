@@ -130,7 +130,7 @@ class Spec:
         >>> spec.rules
         (Rule('ln*', replicate()), Rule('*', shard('fsdp')))
         >>> spec.units, spec.options
-        (('blocks.*',), Options(reshard_after_forward=True, prefetch=1))
+        (('blocks.*',), Options(reshard_after_forward=True, prefetch=1, mixed_precision=None))
         >>> Spec(Mesh(fsdp=-1)).rules
         (Rule('*', shard('fsdp')),)
     """
