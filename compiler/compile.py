@@ -40,14 +40,16 @@ class CompiledStep:
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
                  optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
     ``check_each_pass`` the schedule verifier also runs after every pass
     (structural checks only; the final schedule is always verified).
+    ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`).
     """
-    flats = build_flat_params(params, mesh)
+    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size)
     ctx = CompileContext(flats, mesh, traced.inputs, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     check = _structural_check if check_each_pass else None

@@ -86,6 +86,18 @@ class FlatParam:
     trainable: bool
     dtype: torch.dtype
     members: tuple[Member, ...]
+    param_dtype: torch.dtype | None = None  # mixed precision: gather and compute in this dtype
+    reduce_dtype: torch.dtype | None = None  # mixed precision: reduce gradients in this dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the gathered parameters have: ``param_dtype`` when set, else the master dtype."""
+        return self.param_dtype or self.dtype
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in (as FSDP2: ``reduce_dtype``, else the compute dtype)."""
+        return self.reduce_dtype or self.compute_dtype
 
     @property
     def sharded(self) -> bool:
@@ -111,8 +123,12 @@ class FlatParam:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape) -> tuple[FlatParam, ...]:
-    """Group parameters into flat parameters, in order of first appearance of each group."""
+def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape, param_dtype: torch.dtype | None = None,
+                      reduce_dtype: torch.dtype | None = None) -> tuple[FlatParam, ...]:
+    """Group parameters into flat parameters, in order of first appearance of each group.
+
+    ``param_dtype`` / ``reduce_dtype`` set mixed precision on every floating flat parameter.
+    """
     groups: dict[tuple, list[ParamInfo]] = {}
     for p in params:
         axis = p.placement.axis if p.placement.is_sharded else None
@@ -135,6 +151,8 @@ def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape) -> tuple[F
                 trainable=trainable,
                 dtype=dtype,
                 members=tuple(members),
+                param_dtype=param_dtype if dtype.is_floating_point and param_dtype != dtype else None,
+                reduce_dtype=reduce_dtype if dtype.is_floating_point else None,
             )
         )
     return tuple(flats)
@@ -195,16 +213,17 @@ def unpack_member(gathered: torch.Tensor, world: int, offset: int, piece: int, k
     return block.reshape(-1)[:numel].view(shape)
 
 
-def pack_gradients(world: int, specs: list, *grads: torch.Tensor) -> torch.Tensor:
+def pack_gradients(world: int, specs: list, dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
     """Lay out full gradients as a ``(N * S)`` buffer whose row r is rank r's shard (copy-in).
 
     ``specs`` holds one ``(kind, dim, piece_numel, local_dim, shape)`` per
     gradient; a gradient may arrive flattened, and is viewed back to ``shape``.
+    ``dtype`` (mixed precision) is the dtype of the packed buffer, the one reduced in.
     The inverse of `unpack_member`, applied to every member at once.
     """
     rows = []
     for grad, (kind, dim, piece, local_dim, shape) in zip(grads, specs):
-        grad = grad.reshape(shape)
+        grad = grad.reshape(shape) if dtype is None else grad.reshape(shape).to(dtype)
         if kind == LayoutKind.SHARD_DIM.value:
             padded = _pad_dim(grad, dim, local_dim * world)
             split = padded.reshape(*padded.shape[:dim], world, local_dim, *padded.shape[dim + 1 :])
@@ -214,9 +233,10 @@ def pack_gradients(world: int, specs: list, *grads: torch.Tensor) -> torch.Tenso
     return torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
 
 
-def flatten_gradients(*grads: torch.Tensor) -> torch.Tensor:
-    """Concatenate full gradients of a replicated flat parameter (the all-reduce buffer)."""
-    return torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
+    """Concatenate full gradients of a replicated flat parameter (the all-reduce buffer), in ``dtype``."""
+    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+    return flat if dtype is None else flat.to(dtype)
 
 
 def _pad_flat(flat: torch.Tensor, numel: int) -> torch.Tensor:

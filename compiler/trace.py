@@ -161,13 +161,19 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
             start = 0
             for m in flat.members:
                 with fx_traceback.annotate({"phase": Phase.FORWARD.value, "member": m.name}):
-                    leaf = tensor[start : start + m.info.numel].view(m.info.shape).detach()
+                    leaf = tensor[start : start + m.info.numel].view(m.info.shape)
+                    if flat.param_dtype is not None:  # mixed precision: compute in param_dtype
+                        leaf = leaf.to(flat.param_dtype)
+                    leaf = leaf.detach()
                     if flat.trainable:
                         leaf.requires_grad_(True)
                         trainable.append(leaf)
                 leaves["model." + m.name] = leaf
                 start += m.info.numel
         named = {**leaves, **{"model." + k: v for k, v in buffers.items()}}
+        compute_dtype = next((f.param_dtype for f in flats if f.param_dtype is not None), None)
+        if compute_dtype is not None:  # mixed precision casts floating inputs, as FSDP2 does
+            batch = pytree.tree_map(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, batch)
         batch_norm = SyncBatchNorm("*", data_parallel_size) if data_parallel_size > 1 else contextlib.nullcontext()
         with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}), batch_norm:
             loss = torch.func.functional_call(loss_module, named, (batch,), tie_weights=True, strict=False)
@@ -180,13 +186,14 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
                     continue
                 mine = [grads.pop(0) for _ in flat.members]
                 with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "grad_flat": flat.name}):
-                    grad = torch.cat([g.reshape(-1) for g in mine])
+                    grad = torch.cat([g.reshape(-1).to(flat.dtype) for g in mine])
                 state = [state_in.pop(0) for _ in optimizer.state_names]
                 with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "flat": flat.name}):
                     optimizer.update_(tensor, grad, state, hyper, step)
             with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value}):
                 step.add_(1)
-        return loss.detach()
+        master_dtype = flats[0].dtype if flats else loss.dtype
+        return loss.detach().to(master_dtype) if compute_dtype is not None else loss.detach()
 
     return step_fn
 

@@ -29,12 +29,14 @@ from .errors import (
 )
 from .layout import Replicate, Shard, replicate, shard
 from .mesh import Mesh
+from .precision import MixedPrecision
 from .rules import Rule
 from .spec import Options, ResolvedSpec, Spec
 from .step import Step
 
 __all__ = [
-    "Adam", "AdamW", "CompileError", "Mesh", "OpKind", "Options", "Replicate", "ResolvedSpec", "Rule", "SGD", "Schedule",
+    "Adam", "AdamW", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
+    "Rule", "SGD", "Schedule",
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
     "compile", "plan", "replicate", "shard", "split_batch", "verify",
 ]

@@ -71,8 +71,14 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
     return compile_step(
         model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
         reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,
+        param_dtype=_precision(resolved.options, "param_dtype"), reduce_dtype=_precision(resolved.options, "reduce_dtype"),
         check_each_pass=check_each_pass, dump_dir=dump_dir,
     )
+
+
+def _precision(options, field: str):
+    policy = options.mixed_precision
+    return None if policy is None else getattr(policy, field)
 
 
 def _current_context() -> DistContext:

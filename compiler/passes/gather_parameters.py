@@ -15,6 +15,7 @@ Invariant for later passes: each sharded flat parameter has exactly one
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .. import collectives
@@ -37,7 +38,11 @@ def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
         if anchor is None:
             continue  # no member is used at all: nothing to gather
         with graph.inserting_before(anchor):
-            issued = tag(graph.call_function(collectives.all_gather, (placeholders[flat.name], flat.axis, flat.world)),
+            shard = placeholders[flat.name]
+            if flat.param_dtype is not None:  # mixed precision: gather (and compute) in param_dtype
+                shard = tag(graph.call_function(torch.ops.prims.convert_element_type.default, (shard, flat.param_dtype)),
+                            "cast", flat.name, Phase.FORWARD)
+            issued = tag(graph.call_function(collectives.all_gather, (shard, flat.axis, flat.world)),
                          "all_gather", flat.name, Phase.FORWARD)
             gathered = tag(graph.call_function(collectives.wait, (issued,)), "wait_gather", flat.name, Phase.FORWARD)
             for member in flat.members:

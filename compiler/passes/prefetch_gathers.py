@@ -34,7 +34,12 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             issue = waits[ahead].args[0]
             # Only move earlier: the target spot must precede the issue's current place.
             if _comes_before(wait, issue):
-                wait.append(issue)
+                source = issue.args[0]
+                if sl_tag(source).get("kind") == "cast" and len(source.users) == 1:
+                    wait.append(source)  # mixed precision: the shard's cast moves with its gather
+                    source.append(issue)
+                else:
+                    wait.append(issue)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -33,6 +33,11 @@ def _underlying_gradient(node: fx.Node) -> fx.Node:
     return node
 
 
+def _pack_dtype(flat) -> torch.dtype | None:
+    """The dtype to cast gradients to while packing (mixed precision), None when they already have it."""
+    return flat.gradient_reduce_dtype if flat.gradient_reduce_dtype != flat.compute_dtype else None
+
+
 def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     concatenated = {tag_of(n, "grad_flat"): n for n in graph.nodes
@@ -48,11 +53,11 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             if flat.sharded:
                 specs = [(m.kind.value, m.dim, m.piece_numel, m.local_shape[m.dim] if m.dim is not None else None,
                           list(m.info.shape)) for m in flat.members]
-                packed = graph.call_function(pack_gradients, (flat.world, specs, *grads))
+                packed = graph.call_function(pack_gradients, (flat.world, specs, _pack_dtype(flat), *grads))
                 issued = graph.call_function(collectives.reduce_scatter, (packed, flat.axis, flat.world))
                 kind = "reduce_scatter"
             else:
-                packed = graph.call_function(flatten_gradients, tuple(grads))
+                packed = graph.call_function(flatten_gradients, (_pack_dtype(flat), *grads))
                 issued = graph.call_function(collectives.all_reduce, (packed, "*", ctx.mesh.size))
                 kind = "all_reduce"
             tag(packed, "pack", flat.name, Phase.BACKWARD)
@@ -62,6 +67,9 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             world = flat.world if flat.sharded else ctx.mesh.size
             averaged = tag(graph.call_function(torch.ops.aten.div.Tensor, (done, world)), "average", flat.name,
                            Phase.OPTIMIZER)
+            if flat.gradient_reduce_dtype != flat.dtype:  # mixed precision: back to the master dtype
+                averaged = tag(graph.call_function(torch.ops.prims.convert_element_type.default,
+                                                   (averaged, flat.dtype)), "average", flat.name, Phase.OPTIMIZER)
         cat.replace_all_uses_with(averaged)
     collectives.eliminate_dead_code(graph)
     graph.lint()

@@ -69,7 +69,11 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
         return None  # Note [keep the last unit]
     issue = wait.args[0]
     with graph.inserting_before(anchor):
-        reissued = tag(graph.call_function(collectives.all_gather, issue.args), "all_gather", flat, Phase.BACKWARD,
+        args = issue.args
+        if sl_tag(args[0]).get("kind") == "cast":  # mixed precision: cast the shard again, don't keep the copy
+            args = (graph.node_copy(args[0]), *args[1:])
+            set_phase(args[0], Phase.BACKWARD)
+        reissued = tag(graph.call_function(collectives.all_gather, args), "all_gather", flat, Phase.BACKWARD,
                        regather=True)
         rewait = tag(graph.call_function(collectives.wait, (reissued,)), "wait_gather", flat, Phase.BACKWARD)
         copies = {wait: rewait}
