@@ -1,0 +1,41 @@
+"""Bucketing merges runs of small, alike flat parameters and leaves large ones alone."""
+
+from __future__ import annotations
+
+import torch
+
+from shardlang.compiler.bucket import bucket_flat_params
+from shardlang.compiler.flat import build_flat_params
+from shardlang.compiler.placement import LayoutKind, MeshShape, ParamInfo, Placement
+
+MESH = MeshShape((("fsdp", 2),))
+SHARD = Placement(LayoutKind.SHARD_FLAT, "fsdp")
+
+
+def param(name, numel, unit, trainable=True, placement=SHARD):
+    return ParamInfo(name, (numel,), torch.float32, trainable, unit, placement)
+
+
+def test_small_alike_flats_merge_until_the_bucket_is_full():
+    params = (param("a.w", 10, "a"), param("b.w", 10, "b"), param("c.w", 1000, "c"), param("d.w", 10, "d"),
+              param("e.w", 10, "e"), param("f.w", 10, "f"))
+    flats = bucket_flat_params(build_flat_params(params, MESH), bucket_bytes=80)
+    # 40 bytes each: a+b fills a bucket; c (4000 bytes) stays alone; d+e fill the next; f is left over.
+    assert [f.unit for f in flats] == ["a+b", "c", "d+e", "f"]
+    merged = flats[0]
+    assert [m.name for m in merged.members] == ["a.w", "b.w"]
+    assert [m.offset for m in merged.members] == [0, 5]  # pieces of 5 elements each on 2 ranks
+    assert merged.shard_numel == 10
+
+
+def test_unlike_flats_do_not_merge():
+    params = (param("a.w", 10, "a"), param("b.w", 10, "b", trainable=False),
+              param("c.b", 10, "c", placement=Placement(LayoutKind.REPLICATE)))
+    flats = bucket_flat_params(build_flat_params(params, MESH), bucket_bytes=1 << 20)
+    assert len(flats) == 3
+
+
+def test_zero_turns_bucketing_off():
+    params = tuple(param(f"u{i}.w", 4, f"u{i}") for i in range(5))
+    flats = build_flat_params(params, MESH)
+    assert bucket_flat_params(flats, 0) == flats
