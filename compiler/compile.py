@@ -21,6 +21,8 @@ from .pipeline import DEFAULT_PASSES, run_passes
 from .placement import MeshShape, ParamInfo
 from .schedule import Schedule, read_schedule
 from .trace import TracedStep, trace_step
+from .optim import GroupedOptimizer
+from .training import Training, split_by_group
 from .verify import verify
 
 
@@ -41,7 +43,8 @@ class CompiledStep:
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
                  optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None) -> CompiledStep:
+                 training: Training | None = None, passes=DEFAULT_PASSES, check_each_pass: bool = False,
+                 dump_dir=None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -50,8 +53,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`).
     """
     flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size)
-    ctx = CompileContext(flats, mesh, traced.inputs, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    training = training or Training()
+    flats = split_by_group(flats, training)
+    optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
+    traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
+                        training=training)
+    ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     check = _structural_check if check_each_pass else None
     gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)

@@ -7,11 +7,15 @@ import attrs
 from .flat import FlatParam
 from .placement import MeshShape
 from .trace import GraphInput
+from .training import Training
 
 
 @attrs.frozen
 class CompileContext:
     """The flat parameters, the abstract mesh, the graph's input signature and the options.
+
+    ``training`` holds the training features (clipping, parameter groups,
+    accumulation, random numbers; `compiler.training`).
 
     Example: ``CompileContext(flats, MeshShape((("fsdp", 4),)), traced.inputs)``.
     """
@@ -21,6 +25,7 @@ class CompileContext:
     inputs: tuple[GraphInput, ...]
     reshard_after_forward: bool = True
     prefetch: int = 1
+    training: Training = Training()
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

@@ -86,6 +86,7 @@ class FlatParam:
     trainable: bool
     dtype: torch.dtype
     members: tuple[Member, ...]
+    group: int = 0  # parameter group (`compiler.training`): which optimizer hyperparameters update it
     param_dtype: torch.dtype | None = None  # mixed precision: gather and compute in this dtype
     reduce_dtype: torch.dtype | None = None  # mixed precision: reduce gradients in this dtype
 

@@ -132,10 +132,81 @@ class AdamW(Adam):
 
 Optimizer = SGD | Adam | AdamW
 
+#: The hyperparameters a parameter group may override, over all optimizers here.
+GROUP_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay")
 
-def init_state(optimizer, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Fresh optimizer state for one flat parameter (shard or whole): zeros like it."""
-    return [torch.zeros_like(flat) for _ in optimizer.state_names]
+
+def hyper_name(key: str, group: int) -> str:
+    """The graph input of hyperparameter ``key`` of parameter group ``group``: ``lr``, ``lr/group1``, ..."""
+    return key if group == 0 else f"{key}/group{group}"
+
+
+@attrs.frozen
+class GroupedOptimizer:
+    """One optimizer per parameter group: group 0 is the optimizer as given, group g its copy with overrides.
+
+    A flat parameter belongs to one group (`FlatParam.group`), so the update of
+    a flat parameter runs with its group's hyperparameters, as ``torch.optim``
+    runs each of its ``param_groups``. Every group's lr is a graph input of its
+    own (`hyper_name`). Example::
+
+        opt = GroupedOptimizer.build(AdamW(lr=1e-3, weight_decay=0.1), ({"weight_decay": 0.0},))
+        opt.groups[1]          # AdamW(lr=0.001, ..., weight_decay=0.0)
+        opt.hyper()            # {'lr': 0.001, 'lr/group1': 0.001}
+    """
+
+    groups: tuple[Optimizer, ...]
+
+    @classmethod
+    def build(cls, optimizer, overrides=()) -> GroupedOptimizer:
+        """The base optimizer plus one copy per entry of ``overrides`` (SpecError naming a bad entry)."""
+        if isinstance(optimizer, GroupedOptimizer):
+            return optimizer
+        if not isinstance(optimizer, (SGD, Adam)):
+            raise SpecError(f"optimizer is {optimizer!r}; it must be sl.SGD(...), sl.Adam(...) or sl.AdamW(...)")
+        groups = [optimizer]
+        valid = [f.name for f in attrs.fields(type(optimizer))]
+        for g, override in enumerate(overrides, start=1):
+            unknown = sorted(set(override) - set(valid))
+            if unknown:
+                raise SpecError(
+                    f"param_groups[{g - 1}] sets {unknown}, which {type(optimizer).__name__} does not have; "
+                    f"its hyperparameters are {valid}"
+                )
+            try:
+                groups.append(attrs.evolve(optimizer, **override))
+            except SpecError as exc:
+                raise SpecError(f"param_groups[{g - 1}] = {dict(override)!r}: {exc}") from None
+        return cls(tuple(groups))
+
+    @property
+    def base(self) -> Optimizer:
+        return self.groups[0]
+
+    def of(self, flat) -> Optimizer:
+        """The optimizer of ``flat``'s group."""
+        return self.groups[flat.group]
+
+    def state_names(self, flat) -> tuple[str, ...]:
+        return self.of(flat).state_names
+
+    def hyper(self) -> dict[str, float]:
+        """Every group's tensor hyperparameters, by graph input name."""
+        return {hyper_name(k, g): v for g, opt in enumerate(self.groups) for k, v in opt.hyper().items()}
+
+    def update_(self, flat, param, grad, state, hyper, step) -> None:
+        """Update one flat parameter with its group's optimizer; ``hyper`` holds every group's inputs."""
+        opt = self.of(flat)
+        opt.update_(param, grad, state, {k: hyper[hyper_name(k, flat.group)] for k in opt.hyper()}, step)
+
+
+def init_state(optimizer, flat: torch.Tensor, flat_param=None) -> list[torch.Tensor]:
+    """Fresh optimizer state for one flat parameter (shard or whole): zeros like it.
+
+    With a `GroupedOptimizer`, ``flat_param`` (the `FlatParam`) picks the group.
+    """
+    names = optimizer.state_names(flat_param) if isinstance(optimizer, GroupedOptimizer) else optimizer.state_names
+    return [torch.zeros_like(flat) for _ in names]
 
 
 def hyper_tensors(optimizer, overrides: dict[str, float] | None = None) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .context import CompileContext
 from .errors import CompileError
+from .passes.clip_gradients import clip_gradients
 from .passes.gather_parameters import gather_parameters
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reduce_gradients import reduce_gradients
@@ -30,6 +31,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     reshard_after_forward,
     prefetch_gathers,
     reduce_gradients,
+    clip_gradients,
     shard_optimizer,
 )
 

@@ -224,7 +224,7 @@ class _Builder:
             self.handles[node] = handle
             nbytes = _nbytes(node) if kind == "all_gather" else _nbytes(node.args[0])
             self.add(OpKind(kind), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
-                     detail="re-gather for backward" if tag.get("regather") else "")
+                     detail=tag.get("detail") or ("re-gather for backward" if tag.get("regather") else ""))
         elif kind in ("wait_gather", "wait_reduce"):
             self.close_segment()
             self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]))

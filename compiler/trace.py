@@ -40,8 +40,9 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .flat import FlatParam
-from .optim import hyper_tensors
+from .optim import GroupedOptimizer, hyper_tensors
 from .sync_batch_norm import SyncBatchNorm
+from .training import Training
 
 
 class InputRole(enum.Enum):
@@ -76,6 +77,7 @@ class TracedStep:
     inputs: tuple[GraphInput, ...]
     batch_spec: pytree.TreeSpec
     batch_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    optimizer: GroupedOptimizer | None = None  # the optimizer of each parameter group
 
 
 def phase_of(node: torch.fx.Node) -> Phase | None:
@@ -104,7 +106,7 @@ def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_
     inputs = [GraphInput(InputRole.FLAT, f.name, f.name) for f in flats]
     for f in flats:
         if f.trainable:
-            inputs += [GraphInput(InputRole.STATE, f"{f.name}/{s}", f.name) for s in optimizer.state_names]
+            inputs += [GraphInput(InputRole.STATE, f"{f.name}/{s}", f.name) for s in optimizer.state_names(f)]
     inputs.append(GraphInput(InputRole.STEP, "step"))
     inputs += [GraphInput(InputRole.HYPER, k) for k in optimizer.hyper()]
     inputs += [GraphInput(InputRole.BUFFER, b) for b in buffer_names]
@@ -113,20 +115,25 @@ def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam, ...], optimizer,
-               batch, data_parallel_size: int = 1) -> TracedStep:
+               batch, data_parallel_size: int = 1, training: Training | None = None) -> TracedStep:
     """Trace the unsharded training step of ``model`` with fake tensors (no real weights needed).
 
     ``batch`` is an example per-rank batch (real or fake); only its shapes and
     dtypes are used. With ``data_parallel_size`` > 1, training-mode BatchNorm is
     traced synchronised over that many ranks (`compiler.sync_batch_norm`).
+    ``optimizer`` is an optimizer or a `GroupedOptimizer` (one per parameter group);
+    ``training`` the training features (`compiler.training`).
     """
+    training = training or Training()
+    optimizer = GroupedOptimizer.build(optimizer)
     buffers = dict(model.named_buffers())
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
     inputs = graph_inputs(flats, optimizer, tuple(buffers), len(batch_leaves))
     fake_mode = _fake_mode_of(model)
     with fake_mode:
         flat_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats]
-        state_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats if f.trainable for _ in optimizer.state_names]
+        state_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats if f.trainable
+                        for _ in optimizer.state_names(f)]
         hyper = hyper_tensors(optimizer)
         step_input = torch.zeros((), dtype=torch.float64)
         hyper_inputs = [torch.zeros((), dtype=torch.float64) for _ in hyper]
@@ -140,12 +147,12 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
     except Exception as exc:  # surface the user's error with where it happened
         raise TraceError(f"tracing the training step failed: {type(exc).__name__}: {exc}") from exc
     shapes = tuple((tuple(t.shape), t.dtype) for t in batch_leaves)
-    return TracedStep(gm, inputs, batch_spec, shapes)
+    return TracedStep(gm, inputs, batch_spec, shapes, optimizer)
 
 
 def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names, data_parallel_size):
     n_flat = len(flats)
-    n_state = sum(len(optimizer.state_names) for f in flats if f.trainable)
+    n_state = sum(len(optimizer.state_names(f)) for f in flats if f.trainable)
 
     def step_fn(*args):
         flat_in = args[:n_flat]
@@ -187,9 +194,9 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
                 mine = [grads.pop(0) for _ in flat.members]
                 with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "grad_flat": flat.name}):
                     grad = torch.cat([g.reshape(-1).to(flat.dtype) for g in mine])
-                state = [state_in.pop(0) for _ in optimizer.state_names]
+                state = [state_in.pop(0) for _ in optimizer.state_names(flat)]
                 with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value, "flat": flat.name}):
-                    optimizer.update_(tensor, grad, state, hyper, step)
+                    optimizer.update_(flat, tensor, grad, state, hyper, step)
             with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value}):
                 step.add_(1)
         master_dtype = flats[0].dtype if flats else loss.dtype

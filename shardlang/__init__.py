@@ -33,10 +33,12 @@ from .precision import MixedPrecision
 from .rules import Rule
 from .spec import Options, ResolvedSpec, Spec
 from .step import Step
+from .training import Accumulation, ParamGroup, RandomScheme
 
 __all__ = [
     "Adam", "AdamW", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
     "Rule", "SGD", "Schedule",
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
     "compile", "plan", "replicate", "shard", "split_batch", "verify",
+    "Accumulation", "ParamGroup", "RandomScheme",
 ]

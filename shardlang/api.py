@@ -14,17 +14,21 @@ from .errors import ShardlangRuntimeError, SpecError
 from .runtime.dist import Backend, DistContext
 from .spec import Spec
 from .step import Step
+from .training import training_of
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
-            dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None) -> Step:
+            dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None,
+            lr_schedule: Callable | None = None) -> Step:
     """Compile ``model``'s training step for ``spec`` and bind it to this rank.
 
     ``loss_fn(model, batch)`` returns a scalar loss; ``example_batch`` is a
     per-rank batch. Every rank must call this with the same model (same
     initial values), spec and optimizer. Without ``dist_context`` the step
     joins torch.distributed's default group when one is initialised and runs
-    alone otherwise.
+    alone otherwise. ``lr_schedule`` is a function that takes a torch optimizer
+    and returns a ``torch.optim.lr_scheduler`` on it (`shardlang.lr`); the step
+    applies it after every optimizer step, without retracing.
 
     Example::
 
@@ -35,7 +39,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     ctx = dist_context or _current_context()
     optimizer = optimizer or AdamW(lr=1e-3)
     compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
-    return Step(compiled, model, optimizer, ctx)
+    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule)
 
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
@@ -72,7 +76,7 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
         model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
         reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,
         param_dtype=_precision(resolved.options, "param_dtype"), reduce_dtype=_precision(resolved.options, "reduce_dtype"),
-        check_each_pass=check_each_pass, dump_dir=dump_dir,
+        training=training_of(resolved), check_each_pass=check_each_pass, dump_dir=dump_dir,
     )
 
 

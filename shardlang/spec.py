@@ -18,6 +18,7 @@ against a model and a world size and gives the compiler plain `ParamInfo` data.
 from __future__ import annotations
 
 import contextlib
+import enum
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
 from shardlang.precision import MixedPrecision
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
+from shardlang import training
 from shardlang.units import find_units, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
@@ -40,8 +42,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
-_SPEC_KEYS = ("mesh", "rules", "units", "options")
-_OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision")
+_SPEC_KEYS = ("mesh", "rules", "units", "options", "param_groups")
+_OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
+                "random", "seed")
 _SHOWN_NAMES = 12
 
 
@@ -75,6 +78,10 @@ class Options:
       keeps them from forward to backward (ZeRO-2-like, one gather fewer per unit).
     - ``prefetch``: how many units ahead to issue the next all-gather, so it overlaps
       the current unit's compute; 0 gathers each unit only when it is needed.
+    - training (docs/training.md): ``clip_grad_norm`` (clip the global gradient
+      norm, None: off), ``microbatches`` and ``accumulation`` (k micro-batches per
+      optimizer step, `Accumulation.PER_MICROBATCH` or `Accumulation.KEEP`),
+      ``random`` and ``seed`` (how ranks draw dropout masks, `RandomScheme`).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -82,13 +89,27 @@ class Options:
     reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
     prefetch: int = attrs.field(default=1, validator=_check_prefetch)
     mixed_precision: MixedPrecision | None = attrs.field(default=None, validator=_check_mixed_precision)
+    clip_grad_norm: float | None = attrs.field(default=None, validator=training.check_clip_grad_norm)
+    microbatches: int = attrs.field(default=1, validator=training.check_microbatches)
+    accumulation: training.Accumulation = attrs.field(default=training.Accumulation.PER_MICROBATCH,
+                                                      converter=training.to_accumulation, repr=training.enum_repr)
+    random: training.RandomScheme = attrs.field(default=training.RandomScheme.PER_RANK, converter=training.to_random,
+                                                repr=training.enum_repr)
+    seed: int = attrs.field(default=0, validator=training.check_seed)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
         d: dict[str, object] = {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
+        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed"):  # only when not default
+            value = getattr(self, name)
+            if value != _OPTION_DEFAULTS[name]:
+                d[name] = value.value if isinstance(value, enum.Enum) else value
         return d
+
+
+_OPTION_DEFAULTS = {a.name: a.default for a in attrs.fields(Options)}
 
 
 def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
@@ -129,8 +150,8 @@ class Spec:
         >>> spec = Spec(Mesh(fsdp=4), rules=[("ln*", replicate()), ("*", shard("fsdp"))], units=["blocks.*"])
         >>> spec.rules
         (Rule('ln*', replicate()), Rule('*', shard('fsdp')))
-        >>> spec.units, spec.options
-        (('blocks.*',), Options(reshard_after_forward=True, prefetch=1, mixed_precision=None))
+        >>> spec.units, spec.options == Options()
+        (('blocks.*',), True)
         >>> Spec(Mesh(fsdp=-1)).rules
         (Rule('*', shard('fsdp')),)
     """
@@ -139,6 +160,7 @@ class Spec:
     rules: tuple[Rule, ...] = attrs.field(default=None, converter=_rules_or_default, validator=_check_rule_axes)
     units: tuple[str, ...] | None = attrs.field(default=None, converter=to_units)
     options: Options = attrs.field(factory=Options, validator=_check_options)
+    param_groups: tuple[training.ParamGroup, ...] = attrs.field(default=(), converter=training.to_param_groups)
     source: str = attrs.field(default="the spec", kw_only=True, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -181,7 +203,10 @@ class Spec:
                     raise SpecError(f"rules is {raw!r}; it must be a list of rule tables ([[rules]] in TOML)")
                 rules = [rule_from_dict(r, f"rules[{i}]") for i, r in enumerate(raw)]
             options = _options_from_dict(d.get("options", {}))
-            return cls(mesh, rules=rules, units=d.get("units"), options=options, source=source)
+            groups = d.get("param_groups", ())
+            if not isinstance(groups, list | tuple):
+                raise SpecError(f"param_groups is {groups!r}; it must be a list of tables ([[param_groups]] in TOML)")
+            return cls(mesh, rules=rules, units=d.get("units"), options=options, param_groups=groups, source=source)
 
     @classmethod
     def from_toml(cls, path: str | Path, table: str | None = None) -> Spec:
@@ -221,6 +246,8 @@ class Spec:
         if self.units is not None:
             d["units"] = list(self.units)
         d["options"] = self.options.to_dict()
+        if self.param_groups:
+            d["param_groups"] = [g.to_dict() for g in self.param_groups]
         return d
 
     def to_toml(self, table: str | None = "shardlang") -> str:
@@ -267,7 +294,9 @@ class Spec:
                 )
                 params.append(info)
             self._check_no_failed_placements(failures)
-        return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options)
+            group_of = training.assign_groups([(name, p.requires_grad) for name, p in named], self.param_groups)
+        return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options, param_groups=self.param_groups,
+                            group_of=group_of)
 
     def _check_no_failed_placements(self, failures: list[tuple[int, str, SpecError]]) -> None:
         if not failures:
@@ -322,6 +351,8 @@ class ResolvedSpec:
     mesh: MeshShape
     params: tuple[ParamInfo, ...] = attrs.field(converter=tuple)
     options: Options
+    param_groups: tuple[training.ParamGroup, ...] = ()
+    group_of: dict[str, int] = attrs.field(factory=dict)  # trainable parameter -> its group (1-based), if any
 
     @property
     def units(self) -> tuple[str, ...]:
@@ -399,6 +430,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)  # finite (validated); TOML reads Python's repr of a float back exactly
     if isinstance(value, str):
         escaped = "".join(c if c.isprintable() and c not in '"\\' else _toml_escape(c) for c in value)
         return f'"{escaped}"'

@@ -16,9 +16,10 @@ from .batch import batch_leaves
 from .compiler.compile import CompiledStep
 from .compiler.emit import WORLD_AXIS, bind
 from .compiler.flat import shard_of, unpack_member
-from .compiler.optim import hyper_tensors, init_state
+from .compiler.optim import hyper_name, hyper_tensors, init_state
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError
+from .lr import LRSchedule
 from .runtime.dist import DistContext
 
 
@@ -32,7 +33,8 @@ class Step:
         loss = step(batch)
     """
 
-    def __init__(self, compiled: CompiledStep, model: torch.nn.Module, optimizer, ctx: DistContext):
+    def __init__(self, compiled: CompiledStep, model: torch.nn.Module, optimizer, ctx: DistContext,
+                 lr_schedule=None):
         self.compiled = compiled
         self.optimizer = optimizer
         self.dist = ctx
@@ -42,9 +44,12 @@ class Step:
         device = ctx.device
         self.flat_tensors = [shard_of(f, named, self._coordinate(f)).to(device).clone() for f in compiled.flats]
         self.optimizer_state = [s for f, t in zip(compiled.flats, self.flat_tensors) if f.trainable
-                                for s in init_state(optimizer, t)]
+                                for s in init_state(compiled.traced.optimizer, t, f)]
         self.step_count = torch.zeros((), dtype=torch.float64, device=device)
-        self.hyper = {k: v.to(device) for k, v in hyper_tensors(optimizer).items()}
+        self.hyper = {k: v.to(device) for k, v in hyper_tensors(compiled.traced.optimizer).items()}
+        self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
+        if self.lr_schedule is not None:
+            self._write_lrs(self.lr_schedule.lrs())
         self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
         self._buffer_names = [n for n, _ in model.named_buffers()]
         if ctx.has_process_group:
@@ -57,12 +62,34 @@ class Step:
     def __call__(self, batch) -> torch.Tensor:
         leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
         with torch.no_grad():  # the graph holds its own backward; autograd must not record it again
-            return self._graph(*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(),
+            loss = self._graph(*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(),
                                *self.buffers, *leaves)
+        if self.lr_schedule is not None:
+            self.lr_schedule.advance()
+            self._write_lrs(self.lr_schedule.lrs())
+        return loss
 
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate for the next steps (no retracing: lr is a graph input)."""
-        self.hyper["lr"].fill_(float(lr))
+    def set_lr(self, lr: float, group: int | None = None) -> None:
+        """Set the learning rate for the next steps (no retracing: lr is a graph input).
+
+        ``group=None`` sets every parameter group's lr, as a loop over
+        ``torch.optim``'s ``param_groups`` does; ``group=g`` only group g's (0:
+        the parameters no ``param_groups`` rule matched; g >= 1: ``param_groups[g-1]``).
+        """
+        names = [n for n in self.lrs] if group is None else [hyper_name("lr", group)]
+        if names[0] not in self.hyper:
+            raise ShardlangRuntimeError(f"set_lr(group={group!r}): there are {len(self.lrs)} parameter groups, "
+                                        f"0..{len(self.lrs) - 1}")
+        self._write_lrs({n: lr for n in names})
+
+    @property
+    def lrs(self) -> dict[str, float]:
+        """Every parameter group's current learning rate, by graph input name (``lr``, ``lr/group1``, ...)."""
+        return {k: float(v) for k, v in self.hyper.items() if k == "lr" or k.startswith("lr/")}
+
+    def _write_lrs(self, lrs: dict[str, float]) -> None:
+        for name, lr in lrs.items():
+            self.hyper[name].fill_(float(lr))
 
     @property
     def steps_done(self) -> int:

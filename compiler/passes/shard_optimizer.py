@@ -2,7 +2,7 @@
 
 Before: the optimizer nodes (phase "optimizer") update a flat parameter's
 placeholder and its state placeholders in place, from the averaged gradient
-that `reduce_gradients` produced.
+that `reduce_gradients` produced (clipped by `clip_gradients` when asked).
 After: the same nodes, proven to read nothing but the shard, the shard-sized
 state, the reduced gradient and 0-d hyperparameters; the placeholders are
 re-typed to shard size and every node's shape is re-derived
@@ -24,7 +24,7 @@ from ..graph_utils import sl_tag
 from ..shapes import propagate_shapes
 from ..trace import Phase, phase_of
 
-_READABLE_KINDS = {"wait_reduce", "average"}
+_READABLE_KINDS = {"wait_reduce", "average", "clip"}
 
 
 def shard_optimizer(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

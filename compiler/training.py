@@ -1,0 +1,112 @@
+"""Training features as plain data: clipping, parameter groups, accumulation, random numbers.
+
+The front end (`shardlang.spec`, `shardlang.groups`) turns a user's spec into one
+`Training` value; the compiler reads it from `CompileContext.training` and never
+sees the spec syntax. docs/training.md describes each feature, its spec syntax,
+what it adds to the schedule and its formulas.
+
+Example::
+
+    Training(clip_grad_norm=1.0, microbatches=4, accumulation=Accumulation.KEEP,
+             group_overrides=({"weight_decay": 0.0},), group_of={"fc.bias": 1})
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+
+class Accumulation(enum.Enum):
+    """How k micro-batches share one optimizer step (docs/training.md, "Gradient accumulation").
+
+    - ``PER_MICROBATCH``: each micro-batch gathers, frees and reduce-scatters on
+      its own, and each rank adds the reduced gradient shard into an accumulator:
+      k times the collectives of one step, the memory of one micro-batch step.
+    - ``KEEP``: the parameters are gathered once and kept for all k micro-batches;
+      unreduced full gradients are summed across micro-batches and reduced once:
+      the collectives of one step, plus the gathered parameters and the full
+      gradients held for the whole step.
+    """
+
+    PER_MICROBATCH = "per_microbatch"
+    KEEP = "keep"
+
+
+class RandomScheme(enum.Enum):
+    """How each rank draws random numbers (dropout); docs/training.md, "Dropout and random numbers".
+
+    - ``PER_RANK``: rank r draws from its own generator, seeded with
+      ``seed * 1_000_003 + r``; ranks draw different masks for their rows, as
+      under DDP. Cheap; statistically, not bitwise, what one process does.
+    - ``GLOBAL``: every rank draws the mask of the whole global batch from a
+      generator seeded with ``seed`` and keeps its own rows: bitwise the masks one
+      process seeded with ``seed`` draws, at N times the random numbers and the
+      mask memory. For checking parity, not for scale.
+    """
+
+    PER_RANK = "per_rank"
+    GLOBAL = "global"
+
+
+def per_rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s generator under `RandomScheme.PER_RANK`."""
+    return seed * 1_000_003 + rank
+
+
+@attrs.frozen
+class Training:
+    """The training features of one compilation.
+
+    - ``clip_grad_norm``: clip the global gradient norm to this value (None: no clipping).
+    - ``microbatches`` / ``accumulation``: k micro-batches per optimizer step, and how.
+    - ``group_overrides``: for parameter group g >= 1, the optimizer hyperparameters
+      it overrides (group 0 is the optimizer as given); ``group_of``: the group of
+      each trainable parameter that is not in group 0, by name.
+    - ``random`` / ``seed``: how ranks draw random numbers (`RandomScheme`).
+    """
+
+    clip_grad_norm: float | None = None
+    microbatches: int = 1
+    accumulation: Accumulation = Accumulation.PER_MICROBATCH
+    group_overrides: tuple[Mapping[str, object], ...] = attrs.field(default=(), converter=tuple)
+    group_of: Mapping[str, int] = attrs.field(factory=dict)
+    random: RandomScheme = RandomScheme.PER_RANK
+    seed: int = 0
+
+    def group(self, param_name: str) -> int:
+        return self.group_of.get(param_name, 0)
+
+    @property
+    def groups(self) -> int:
+        """How many parameter groups there are, the default group 0 included."""
+        return 1 + len(self.group_overrides)
+
+
+def split_by_group(flats, training: Training):
+    """Split every trainable flat parameter whose members fall in several parameter groups, one flat per group.
+
+    The optimizer runs on flat parameters, so a group boundary is a flat
+    boundary: the members of group g >= 1 form the flat ``<name>#group<g>``
+    (members keep their order; offsets are recomputed). Frozen flat parameters
+    have no optimizer and stay whole. Example: with ``group_of={"fc.bias": 1}``
+    the root flat ``<root>`` becomes ``<root>`` (the weights) and
+    ``<root>#group1`` (the bias).
+    """
+    if not training.group_of:
+        return tuple(flats)
+    out = []
+    for flat in flats:
+        by_group: dict[int, list] = {}
+        for m in flat.members:
+            by_group.setdefault(training.group(m.name) if flat.trainable else 0, []).append(m)
+        for g, members in by_group.items():
+            offset, placed = 0, []
+            for m in members:
+                placed.append(attrs.evolve(m, offset=offset))
+                offset += m.piece_numel
+            name = flat.name if g == 0 else f"{flat.name}#group{g}"
+            out.append(attrs.evolve(flat, name=name, members=tuple(placed), group=g))
+    return tuple(out)
