@@ -24,6 +24,8 @@ The cases, and what each one stresses:
   pooling, then a Linear head; default units (``blocks.0``, ``blocks.1``).
   BatchNorm normalises over the batch it sees, so ``Case.batch_coupled`` is True:
   a rank's loss on its shard is NOT the global-batch loss restricted to it.
+- ``lora``: LoRA-style adapters (trainable rank-2 ``lora_a``/``lora_b``) on frozen
+  ``base`` Linears, and a frozen head; default units ``layers.0``, ``layers.1``.
 """
 
 from __future__ import annotations
@@ -271,6 +273,52 @@ def convnet_batch(step: int, dtype: torch.dtype = torch.float32):
     return x.to(dtype), labels
 
 
+# ---- lora ------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``base`` Linear plus a trainable low-rank update: ``base(x) + (alpha / r) * B(A(x))``.
+
+    Real LoRA starts ``B`` at zero; here both factors are small and random, so
+    the first step already moves both (a stronger parity test).
+    """
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2, alpha: float = 4.0) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
+
+
+class LoRAModel(nn.Module):
+    """Two LoRA layers (16 -> 16, rank 2) and a frozen head (16 -> 4): 3% of the parameters train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([LoRALinear(16, 16), LoRALinear(16, 16)])
+        self.head = nn.Linear(16, 4)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def lora_model() -> nn.Module:
+    return LoRAModel()
+
+
+def lora_batch(step: int, dtype: torch.dtype = torch.float32):
+    """``(x, y)``: x (8, 16), y (8, 4)."""
+    return _regression_batch(step, dtype, salt=6, d_in=16, d_out=4)
+
+
 # ---- the table -------------------------------------------------------------
 
 CASES: dict[str, Case] = {
@@ -281,5 +329,6 @@ CASES: dict[str, Case] = {
         Case("prime", prime_model, prime_loss, prime_batch),
         Case("frozen", frozen_part_model, mse_loss, frozen_batch, units=("adapter", "base", "head")),
         Case("convnet_bn", convnet_bn, classify_loss, convnet_batch, batch_coupled=True),
+        Case("lora", lora_model, mse_loss, lora_batch),
     )
 }

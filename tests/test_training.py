@@ -160,3 +160,32 @@ def test_set_lr_per_group_and_bad_schedules():
     with pytest.raises(sl.SpecError, match="lr_schedule is 0.5"):
         sl.compile(case.build(), case.loss_fn, spec, optimizer=sl.SGD(lr=0.1), example_batch=case.make_batch(0),
                    lr_schedule=0.5)
+
+
+# -- frozen and partly frozen models (LoRA) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_lora_adapters_on_a_frozen_base_match_torch(run_on, world_size):
+    results = run_on(world_size, w.train, "lora", "adamw", STEPS)
+    _, ref_params, _, _, _ = w.reference("lora", "adamw", STEPS)
+    schedule = results[0][3]
+    for rank, (_losses, params, _b, _s, _lrs) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+    frozen = {f["name"] for f in schedule["flats"] if not f["trainable"]}
+    trainable = {f["name"] for f in schedule["flats"] if f["trainable"]}
+    assert frozen == {"layers.0#frozen", "layers.1#frozen", "<root>#frozen"}
+    assert trainable == {"layers.0", "layers.1"}
+    reduced = [op["flat"] for op in schedule["ops"] if op["kind"] in ("reduce_scatter", "all_reduce")]
+    updated = {op["flat"] for op in schedule["ops"] if op["kind"] == "optimizer"}
+    assert sorted(reduced) == sorted(trainable) and updated == trainable  # frozen: never reduced, never updated
+
+
+def test_frozen_parameters_get_no_optimizer_state():
+    case = w.CASES["lora"]
+    model = case.build()
+    step = sl.compile(model, case.loss_fn, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.AdamW(lr=1e-2),
+                      example_batch=case.make_batch(0))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == 2 * (2 * 16 + 16 * 2)  # two rank-2 adapters: 128 of 708 parameters
+    assert sum(s.numel() for s in step.optimizer_state) == 2 * trainable  # AdamW: exp_avg and exp_avg_sq
