@@ -51,6 +51,27 @@ def all_reduce(buffer: torch.Tensor, axis: str, group_size: int) -> torch.Tensor
     return buffer if group_size == 1 else torch.empty_like(buffer)
 
 
+def all_gather_into(shard: torch.Tensor, out: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """Gather every rank's ``(S,)`` shard into ``out`` (``(N * S,)``) in place; returns ``out``. Issue only.
+
+    ZERO1's gather of updated shards (Note [whole-flat shards]): ``shard`` is
+    this rank's slice of ``out`` itself, so at group size 1 there is nothing to do.
+    """
+    _abstract_only("all_gather_into", shard, group_size)
+    return out
+
+
+def local_shard(full: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """This rank's slice ``[r*S, (r+1)*S)`` of a whole padded flat tensor: a view, so updates land in ``full``.
+
+    Not a collective, but like one it depends on where the rank sits on the
+    mesh: `emit.bind` replaces it with ``narrow`` at this rank's coordinate on
+    ``axis``. Unbound, it is the slice of coordinate 0 (the right shape, and
+    exact at group size 1).
+    """
+    return full.narrow(0, 0, full.shape[0] // group_size)
+
+
 def wait(tensor: torch.Tensor) -> torch.Tensor:
     """Block until the collective that produced ``tensor`` is done; returns it."""
     return tensor
@@ -65,8 +86,22 @@ def free(*tensors: torch.Tensor) -> None:
     """
 
 
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce)
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_gather_into)
 EFFECTS = COLLECTIVES + (wait, free)
+
+
+def group_of(node: torch.fx.Node) -> tuple[str, int] | None:
+    """``(axis, group_size)`` of an abstract collective (or `local_shard`) node; None for any other node.
+
+    Example: the node ``all_gather(shard, "fsdp", 4)`` gives ``("fsdp", 4)``.
+    """
+    if node.op != "call_function":
+        return None
+    if node.target in (all_gather, reduce_scatter, all_reduce, local_shard):
+        return node.args[1], node.args[2]
+    if node.target is all_gather_into:
+        return node.args[2], node.args[3]
+    return None
 
 
 def is_effectful(node: torch.fx.Node) -> bool:

@@ -19,35 +19,53 @@ import torch.fx as fx
 
 from . import collectives
 from .errors import CompileError
+from .placement import WORLD
 
 _c10d = torch.ops._c10d_functional
 
 #: The axis name that `reduce_gradients` uses for "every rank" (replicated gradients).
-WORLD_AXIS = "*"
+WORLD_AXIS = WORLD
 
 
-def bind(gm: fx.GraphModule, group_names: dict[str, str] | None) -> fx.GraphModule:
-    """A copy of ``gm`` whose collectives run on the groups named in ``group_names`` (axis -> c10d group name).
+def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
+         coordinates: dict[str, int] | None = None) -> fx.GraphModule:
+    """A copy of ``gm`` whose collectives run on the groups named in ``group_names`` (group key -> c10d group name).
 
-    With ``group_names=None`` (world size 1) the graph is returned unchanged.
+    A group key is a mesh axis (``"fsdp"``), every axis (``"*"``), or several
+    axes joined by ``+`` (`MeshShape.group_key`). ``coordinates`` (axis ->
+    this rank's coordinate) places `collectives.local_shard`. Collectives over a
+    group of one rank stay the identities they are and need no group. With
+    ``group_names=None`` (world size 1) the graph is returned unchanged.
     """
     if group_names is None:
         _check_unbound_is_local(gm)
         return gm
     bound = copy.deepcopy(gm)
+    local: set[fx.Node] = set()  # collectives over one rank, left as identities
     for node in bound.graph.nodes:
-        if node.op != "call_function":
+        group = collectives.group_of(node)
+        if group is not None and group[1] == 1:
+            local.add(node)
             continue
         if node.target is collectives.all_gather:
             shard, axis, size = node.args
             node.target, node.args = _c10d.all_gather_into_tensor.default, (shard, size, _group(group_names, axis))
+        elif node.target is collectives.all_gather_into:
+            shard, out, axis, size = node.args
+            node.target = _c10d.all_gather_into_tensor_out.default
+            node.args, node.kwargs = (shard, size, _group(group_names, axis)), {"out": out}
         elif node.target is collectives.reduce_scatter:
             buffer, axis, size = node.args
             node.target, node.args = _c10d.reduce_scatter_tensor.default, (buffer, "sum", size, _group(group_names, axis))
         elif node.target is collectives.all_reduce:
             buffer, axis, _size = node.args
             node.target, node.args = _c10d.all_reduce.default, (buffer, "sum", _group(group_names, axis))
-        elif node.target is collectives.wait:
+        elif node.target is collectives.local_shard:
+            full, axis, size = node.args
+            coordinate = _coordinate(coordinates, axis)
+            shard = node.meta["val"].shape[0]
+            node.target, node.args = torch.ops.aten.narrow.default, (full, 0, coordinate * shard, shard)
+        elif node.target is collectives.wait and node.args[0] not in local:
             node.target = _c10d.wait_tensor.default
     bound.graph.lint()
     bound.recompile()
@@ -61,9 +79,30 @@ def _group(group_names: dict[str, str], axis: str) -> str:
         raise CompileError(f"no process group bound for mesh axis {axis!r}; bound axes: {sorted(group_names)}") from None
 
 
+def _coordinate(coordinates: dict[str, int] | None, axis: str) -> int:
+    if coordinates is None or axis not in coordinates:
+        raise CompileError(f"no coordinate given for mesh axis {axis!r}; given: {sorted(coordinates or {})}")
+    return coordinates[axis]
+
+
+def group_keys(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The group keys the graph's collectives use over more than one rank, in order of first use.
+
+    Every rank compiles the same graph, so every rank gets the same keys in the
+    same order: the order in which to create process groups.
+    """
+    keys: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        group = collectives.group_of(node)
+        if group is not None and group[1] > 1 and node.target is not collectives.local_shard:
+            keys[group[0]] = None
+    return tuple(keys)
+
+
 def _check_unbound_is_local(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in collectives.COLLECTIVES and node.args[2] != 1:
+        group = collectives.group_of(node)
+        if group is not None and group[1] != 1:
             raise CompileError(
-                f"{node.name} is a collective over {node.args[2]} ranks, but no process group was given to bind it"
+                f"{node.name} is a collective over {group[1]} ranks, but no process group was given to bind it"
             )

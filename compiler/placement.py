@@ -14,6 +14,39 @@ import attrs
 import torch
 
 
+class Strategy(enum.Enum):
+    """What a unit shards over its layout's mesh axis (see docs/strategies.md).
+
+    ============  ==========  =========  ===============  ==============================
+    strategy      parameters  gradients  optimizer state  communication per step
+    ============  ==========  =========  ===============  ==============================
+    ``ZERO3``     sharded     sharded    sharded          all-gather twice, reduce-scatter
+    ``ZERO2``     sharded     sharded    sharded          all-gather once, reduce-scatter
+    ``ZERO1``     whole       sharded    sharded          reduce-scatter, all-gather the update
+    ``DDP``       whole       whole      whole            all-reduce
+    ============  ==========  =========  ===============  ==============================
+
+    ZERO3 frees a unit's gathered parameters after forward and gathers them
+    again for backward; ZERO2 keeps them from forward to backward. A replicated
+    parameter (layout ``replicate()``) is always handled as DDP.
+    """
+
+    ZERO3 = "zero3"
+    ZERO2 = "zero2"
+    ZERO1 = "zero1"
+    DDP = "ddp"
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether a rank holds only a shard of the parameters (and gathers them to compute)."""
+        return self in (Strategy.ZERO3, Strategy.ZERO2)
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether gradients are reduce-scattered (each rank keeps and updates one shard)."""
+        return self is not Strategy.DDP
+
+
 class LayoutKind(enum.Enum):
     """How a parameter is laid out over one mesh axis."""
 
@@ -43,6 +76,8 @@ class ParamInfo:
     """One parameter as the compiler sees it (tied parameters appear once, by first name).
 
     ``dim`` in a SHARD_DIM placement is already normalised to be non-negative.
+    ``strategy`` is its unit's strategy; None leaves it to `compile_step`'s
+    default (ZERO3, or ZERO2 without ``reshard_after_forward``).
     """
 
     name: str
@@ -51,6 +86,7 @@ class ParamInfo:
     trainable: bool
     unit: str
     placement: Placement
+    strategy: Strategy | None = None
 
     @property
     def numel(self) -> int:
@@ -82,3 +118,51 @@ class MeshShape:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s coordinate on each axis, row-major (the last axis varies fastest).
+
+        Example: on ``MeshShape((("replicate", 2), ("fsdp", 2)))`` rank 1 is ``{"replicate": 0, "fsdp": 1}``.
+        """
+        coords = {}
+        for name, size in reversed(self.axes):
+            coords[name] = rank % size
+            rank //= size
+        return {name: coords[name] for name in self.names}
+
+    def group_key(self, axes) -> str:
+        """The name of the group over ``axes`` (in mesh order): ``"fsdp"``, ``"a+b"``; ``"*"`` for every axis."""
+        chosen = [n for n in self.names if n in set(axes)]
+        return WORLD if len(chosen) == len(self.axes) else "+".join(chosen)
+
+    def complement(self, axis: str) -> str:
+        """The group key of every axis but ``axis``: the ranks that hold the same shard (hybrid sharding)."""
+        return self.group_key([n for n in self.names if n != axis])
+
+    def group_axes(self, key: str) -> tuple[str, ...]:
+        """The axes a group key spans. Example: ``group_axes("*")`` is every axis."""
+        return self.names if key == WORLD else tuple(key.split("+"))
+
+    def group_size(self, key: str) -> int:
+        n = 1
+        for name in self.group_axes(key):
+            n *= self.axis_size(name)
+        return n
+
+    def groups(self, key: str) -> list[list[int]]:
+        """Every group of ranks over ``key``'s axes (the others fixed), each in rank order, in order of first rank.
+
+        Example: for ``replicate=2 x fsdp=2``, ``groups("fsdp") == [[0, 1], [2, 3]]`` and
+        ``groups("replicate") == [[0, 2], [1, 3]]``.
+        """
+        spans = set(self.group_axes(key))
+        found: dict[tuple, list[int]] = {}
+        for rank in range(self.size):
+            coord = self.coordinate(rank)
+            fixed = tuple(coord[n] for n in self.names if n not in spans)
+            found.setdefault(fixed, []).append(rank)
+        return list(found.values())
+
+
+WORLD = "*"
+"""The group key of every rank (replicated gradients, BatchNorm statistics)."""

@@ -19,9 +19,14 @@ from .trace import InputRole
 
 
 def local_numel(ctx: CompileContext, flat_name: str) -> int:
-    """Elements of a flat parameter (and of each of its state tensors) on one rank."""
+    """Elements of a flat parameter's optimizer shard (and of each of its state tensors) on one rank."""
     flat = ctx.flat(flat_name)
     return flat.shard_numel if flat.sharded else flat.numel
+
+
+def held_numel(ctx: CompileContext, flat_name: str) -> int:
+    """Elements of the parameter tensor a rank holds for a flat parameter (the whole, padded, under ZERO1)."""
+    return ctx.flat(flat_name).storage_numel
 
 
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -30,7 +35,9 @@ def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inputs = []
     for spec, node in zip(ctx.inputs, placeholders):
         old = node.meta["val"]
-        if spec.role in (InputRole.FLAT, InputRole.STATE):
+        if spec.role is InputRole.FLAT:
+            shape = (held_numel(ctx, spec.flat),)
+        elif spec.role is InputRole.STATE:
             shape = (local_numel(ctx, spec.flat),)
         else:
             shape = tuple(old.shape)

@@ -3,10 +3,16 @@
   1. every collective is waited for exactly once, after it is issued;
   2. every gathered value is read only after its wait and before its free, and
      every gather of a sharded flat parameter is freed exactly once;
-  3. every trainable flat parameter's gradient is reduced exactly once, and the
-     reduction is waited for before its optimizer update;
+  3. every trainable flat parameter's gradient is summed over every rank
+     exactly once (one collective per mesh axis it spans: a reduce-scatter over
+     its shard axis plus, on a hybrid mesh, an all-reduce across the replicas;
+     or one all-reduce over the world), and waited for before its update;
   4. the optimizer touches only local data: a sharded flat parameter's update
-     touches exactly its shard's elements.
+     touches exactly its shard's elements;
+  5. each flat parameter communicates as its strategy says: ZERO3 gathers at
+     most twice (forward, and again for backward), ZERO2 at most once, ZERO1
+     never before its update and exactly once (the updated shards) after it,
+     DDP never (docs/strategies.md).
 
 `verify` raises `ScheduleError` naming the op and the flat parameter at fault.
 Tests run it after every pass; `compile` runs it once at the end.
@@ -15,6 +21,7 @@ Tests run it after every pass; `compile` runs it once at the end.
 from __future__ import annotations
 
 from .errors import ScheduleError
+from .placement import WORLD, Strategy
 from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 
@@ -23,6 +30,7 @@ def verify(schedule: Schedule) -> None:
     _check_gather_lifetimes(schedule)
     _check_reductions(schedule)
     _check_optimizer_locality(schedule)
+    _check_strategies(schedule)
 
 
 def _check_waits(schedule: Schedule) -> None:
@@ -45,7 +53,9 @@ def _check_waits(schedule: Schedule) -> None:
 
 def _check_gather_lifetimes(schedule: Schedule) -> None:
     live: dict[str, int] = {}  # flat -> index of the wait that made it live
-    gathers: dict[int, str] = {op.handle: op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER}
+    updates = {f.name for f in schedule.flats if f.strategy == Strategy.ZERO1.value}  # gathered into storage
+    gathers: dict[int, str] = {op.handle: op.flat for op in schedule.ops
+                               if op.kind is OpKind.ALL_GATHER and op.flat not in updates}
     for op in schedule.ops:
         if op.kind is OpKind.WAIT and op.handle in gathers:
             if op.flat in live:
@@ -77,11 +87,33 @@ def _check_reductions(schedule: Schedule) -> None:
             if ops:
                 raise ScheduleError(f"frozen {flat.name} has its gradient reduced at op {ops[0].index}")
             continue
-        if len(ops) != 1:
-            raise ScheduleError(f"trainable {flat.name} has its gradient reduced {len(ops)} times, expected once")
-        if flat.name in updates and waits[ops[0].handle] > updates[flat.name]:
-            raise ScheduleError(f"{flat.name} is updated at op {updates[flat.name]} before its gradient's reduction "
-                                f"is waited for")
+        if not ops:
+            raise ScheduleError(f"trainable {flat.name} has its gradient reduced 0 times, expected once")
+        _check_sums_over_every_rank(schedule, flat, ops)
+        for op in ops:
+            if flat.name in updates and waits[op.handle] > updates[flat.name]:
+                raise ScheduleError(f"{flat.name} is updated at op {updates[flat.name]} before its gradient's "
+                                    f"reduction (op {op.index}) is waited for")
+
+
+def _check_sums_over_every_rank(schedule: Schedule, flat, ops: list) -> None:
+    """The reductions of one gradient span every mesh axis exactly once, and its shard axis first."""
+    all_axes = [name for name, _ in schedule.mesh]
+    seen: dict[str, int] = {}
+    for op in ops:
+        group = op.group or WORLD
+        for axis in all_axes if group == WORLD else group.split("+"):
+            if axis in seen:
+                raise ScheduleError(f"trainable {flat.name} has its gradient reduced {len(ops)} times, expected once "
+                                    f"over each mesh axis: axis {axis!r} at ops {seen[axis]} and {op.index}")
+            seen[axis] = op.index
+    missing = [a for a in all_axes if a not in seen and dict(schedule.mesh)[a] > 1]
+    if missing:
+        raise ScheduleError(f"trainable {flat.name}'s gradient is never summed over mesh axes {missing} "
+                            f"(reductions at ops {[op.index for op in ops]})")
+    if flat.sharded and ops[0].kind is not OpKind.REDUCE_SCATTER:
+        raise ScheduleError(f"sharded {flat.name}'s gradient is first reduced by {ops[0].kind.value} "
+                            f"(op {ops[0].index}); it must be reduce-scattered over {flat.axis!r}")
 
 
 def _check_optimizer_locality(schedule: Schedule) -> None:
@@ -96,3 +128,27 @@ def _check_optimizer_locality(schedule: Schedule) -> None:
                 f"the optimizer update of {op.flat} (op {op.index}) touches {op.numel} elements; this rank holds "
                 f"{flat.local_numel}"
             )
+
+
+def _check_strategies(schedule: Schedule) -> None:
+    gathers: dict[str, list] = {}
+    for op in schedule.ops:
+        if op.kind is OpKind.ALL_GATHER:
+            gathers.setdefault(op.flat, []).append(op)
+    updated = {op.flat: op.index for op in schedule.ops if op.kind is OpKind.OPTIMIZER}
+    allowed = {Strategy.ZERO3.value: 2, Strategy.ZERO2.value: 1, Strategy.DDP.value: 0}
+    for flat in schedule.flats:
+        ops = gathers.get(flat.name, [])
+        if flat.strategy == Strategy.ZERO1.value:
+            early = [op for op in ops if flat.name not in updated or op.index < updated[flat.name]]
+            if early:
+                raise ScheduleError(f"zero1 {flat.name} is gathered at op {early[0].index}, before its update; "
+                                    "under ZERO1 every rank holds the whole parameter")
+            expected = 1 if flat.trainable and flat.name in updated else 0
+            if len(ops) != expected:
+                raise ScheduleError(f"zero1 {flat.name} gathers its updated shards {len(ops)} times, "
+                                    f"expected {expected}")
+        elif len(ops) > allowed.get(flat.strategy, 0):
+            raise ScheduleError(f"{flat.strategy} {flat.name} is gathered {len(ops)} times (ops "
+                                f"{[op.index for op in ops]}); {flat.strategy} allows at most "
+                                f"{allowed.get(flat.strategy, 0)}")

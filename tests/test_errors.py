@@ -89,9 +89,3 @@ def test_lr_changes_without_retracing():
     step(BATCH)
     assert step._graph is graph
     assert any(not torch.equal(before[k], v) for k, v in step.full_parameters().items())
-
-
-def test_two_dimensional_mesh_is_refused_clearly():
-    with pytest.raises(sl.SpecError, match=r"Mesh\(replicate=2, fsdp=2\) has 2 axes"):
-        sl.plan(mlp(), mse, sl.Spec(sl.Mesh(replicate=2, fsdp=2), rules=[("*", sl.shard("fsdp"))]),
-                example_batch=(torch.randn(2, 4), torch.randn(2, 2)), world_size=4)

@@ -278,7 +278,7 @@ def test_bad_unit_patterns(units, named):
 
 def test_spec_defaults_and_canonical_form():
     spec = Spec(Mesh(replicate=2, fsdp=-1))
-    assert spec.rules == (Rule("*", shard("replicate")),)
+    assert spec.rules == (Rule("*", shard("fsdp")),)  # the last (innermost) axis: hybrid sharding by default
     assert spec.units is None and spec.options == Options()
     spec = Spec(Mesh(fsdp=4), rules=[("*", shard("fsdp"))], units=["blocks.*"])
     assert spec.rules == (Rule("*", shard("fsdp")),) and spec.units == ("blocks.*",)

@@ -6,7 +6,8 @@ After: the placeholder is this rank's shard (Note [shard layout] in
 `compiler.flat`). Right before the first forward use of any member, the pass
 inserts ``all_gather -> wait -> unpack`` (one collective for the whole flat
 parameter) and every use of a member's leaf reads the unpacked tensor instead.
-Replicated flat parameters are left as they are.
+Flat parameters whose strategy keeps them whole on every rank (ZERO1, DDP)
+are left as they are: forward reads its views of the placeholder.
 
 Invariant for later passes: each sharded flat parameter has exactly one
 ``all_gather`` node (kind "all_gather"), one ``wait`` (kind "wait_gather") and one
@@ -30,7 +31,7 @@ def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     leaves = _member_leaves(graph)
     placeholders = placeholders_by_flat(graph, ctx.inputs)
     for flat in ctx.flats:
-        if not flat.sharded:
+        if not flat.params_sharded:
             continue
         flat_leaves = [leaves[m.name] for m in flat.members if m.name in leaves]
         order = positions(graph)

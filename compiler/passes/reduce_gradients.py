@@ -6,12 +6,18 @@ optimizer reads.
 After: right after the last member gradient is produced, the pass packs them
 into the reduce layout and issues one collective for the flat parameter:
 ``reduce_scatter`` when it is sharded (each rank keeps its shard, Note [shard
-layout]), ``all_reduce`` when replicated. The ``wait`` and the division by N
-come just before the optimizer's first read, so the reduction can overlap the
+layout]), ``all_reduce`` when replicated. Under ZERO1 the packed gradient is
+the whole flat gradient, padded (Note [whole-flat shards]). On a mesh with
+more than one axis a sharded gradient's shard is then all-reduced across the
+other axes (Note [hybrid reduction]). Every gradient is divided by the whole
+world, so it is the mean over every rank's batch. The ``wait`` and the
+division come just before the optimizer's first read, so the reduction can overlap the
 rest of backward. The optimizer now reads a gradient of the shard's size.
 
-Invariant: each trainable flat parameter has exactly one reduce collective
-(kind "reduce_scatter" or "all_reduce") and one "wait_reduce".
+Invariant: each trainable flat parameter's gradient is summed over every rank
+exactly once: one "reduce_scatter" over its axis and, on a hybrid mesh, one
+"all_reduce" over the other axes; or one "all_reduce" over every rank when
+replicated. Each reduce collective has one "wait_reduce".
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import torch.fx as fx
 
 from .. import collectives
 from ..context import CompileContext
-from ..flat import flatten_gradients, pack_gradients
-from ..graph_utils import positions, tag
+from ..flat import flatten_gradients, pack_gradients, pack_whole_gradients
+from ..graph_utils import positions, set_phase, sl_tag, tag
+from ..placement import WORLD
 from ..trace import Phase, tag_of
 
 
@@ -42,6 +49,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     concatenated = {tag_of(n, "grad_flat"): n for n in graph.nodes
                     if tag_of(n, "grad_flat") and n.target is torch.ops.aten.cat.default}
+    across: list[tuple[fx.Node, fx.Node]] = []  # hybrid: (reduce-scatter wait, all-reduce issue), placed below
     for flat in ctx.flats:
         cat = concatenated.get(flat.name)
         if cat is None:
@@ -50,28 +58,65 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         order = positions(graph)
         complete = max(grads, key=order.__getitem__)
         with graph.inserting_before(complete.next):
-            if flat.sharded:
+            if flat.params_sharded:
                 specs = [(m.kind.value, m.dim, m.piece_numel, m.local_shape[m.dim] if m.dim is not None else None,
                           list(m.info.shape)) for m in flat.members]
                 packed = graph.call_function(pack_gradients, (flat.world, specs, _pack_dtype(flat), *grads))
+            elif flat.sharded:  # ZERO1: the whole flat gradient, padded (Note [whole-flat shards])
+                packed = graph.call_function(pack_whole_gradients, (flat.padded_numel, _pack_dtype(flat), *grads))
+            else:
+                packed = graph.call_function(flatten_gradients, (_pack_dtype(flat), *grads))
+            if flat.sharded:
                 issued = graph.call_function(collectives.reduce_scatter, (packed, flat.axis, flat.world))
                 kind = "reduce_scatter"
             else:
-                packed = graph.call_function(flatten_gradients, (_pack_dtype(flat), *grads))
-                issued = graph.call_function(collectives.all_reduce, (packed, "*", ctx.mesh.size))
+                issued = graph.call_function(collectives.all_reduce, (packed, WORLD, ctx.mesh.size))
                 kind = "all_reduce"
             tag(packed, "pack", flat.name, Phase.BACKWARD)
             tag(issued, kind, flat.name, Phase.BACKWARD)
+        replicas = ctx.mesh.complement(flat.axis) if flat.sharded else ""
         with graph.inserting_before(cat):
             done = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", flat.name, Phase.OPTIMIZER)
-            world = flat.world if flat.sharded else ctx.mesh.size
-            averaged = tag(graph.call_function(torch.ops.aten.div.Tensor, (done, world)), "average", flat.name,
+            if replicas and ctx.mesh.group_size(replicas) > 1:  # Note [hybrid reduction]
+                summed = graph.call_function(collectives.all_reduce, (done, replicas, ctx.mesh.group_size(replicas)))
+                tag(summed, "all_reduce", flat.name, Phase.OPTIMIZER)
+                across.append((done, summed))
+                done = tag(graph.call_function(collectives.wait, (summed,)), "wait_reduce", flat.name,
                            Phase.OPTIMIZER)
+            averaged = tag(graph.call_function(torch.ops.aten.div.Tensor, (done, ctx.mesh.size)), "average",
+                           flat.name, Phase.OPTIMIZER)
             if flat.gradient_reduce_dtype != flat.dtype:  # mixed precision: back to the master dtype
                 averaged = tag(graph.call_function(torch.ops.prims.convert_element_type.default,
                                                    (averaged, flat.dtype)), "average", flat.name, Phase.OPTIMIZER)
         cat.replace_all_uses_with(averaged)
+    _overlap_hybrid_reductions(graph, across)
     collectives.eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _overlap_hybrid_reductions(graph: fx.Graph, across: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Move each reduce-scatter's wait, with the all-reduce it feeds, up to just before the next reduction's pack.
+
+    Note [hybrid reduction]: on a ``replicate x shard`` mesh a sharded gradient
+    is reduce-scattered within its shard group, then its shard is all-reduced
+    across the groups that hold the same shard, then divided by the whole
+    world. The all-reduce cannot start before the reduce-scatter is done, so
+    its wait and the all-reduce's issue go where the next flat parameter's
+    reduction begins (one unit of backward later); the last ones stay where
+    the optimizer phase begins.
+    """
+    if not across:
+        return
+    order = positions(graph)
+    packs = sorted((n for n in graph.nodes if sl_tag(n).get("kind") == "pack"), key=order.__getitem__)
+    for rs_wait, ar_issue in across:
+        issue_at = order[rs_wait.args[0]]
+        later = [p for p in packs if order[p] > issue_at]
+        if not later or order[later[0]] > order[rs_wait]:
+            continue
+        later[0].prepend(rs_wait)
+        rs_wait.append(ar_issue)
+        set_phase(rs_wait, Phase.BACKWARD)
+        set_phase(ar_issue, Phase.BACKWARD)

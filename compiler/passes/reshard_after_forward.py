@@ -5,7 +5,8 @@ its rebuilt parameters, with every view taken of them, are used by forward and
 backward alike, so the gathered memory lives from its gather to the end of
 backward.
 
-After, with ``reshard_after_forward`` (ZeRO-3):
+After, for each flat parameter whose strategy is ZERO3 (full sharding; the
+decision is per flat parameter, so per unit):
   - a ``free`` node follows the last forward use of the gathered buffer and of
     everything that aliases it;
   - a second ``all_gather -> wait -> unpack`` is issued before the first
@@ -14,7 +15,7 @@ After, with ``reshard_after_forward`` (ZeRO-3):
     weight (``t(w)`` for a linear layer). Those views alias the forward-gathered
     storage and would keep it alive; the pass rebuilds each such view chain from
     the re-gathered tensor and points backward at the rebuilt chain.
-Without it (ZeRO-2), one ``free`` follows the last use in backward.
+Under ZERO2 (no resharding), one ``free`` follows the last use in backward.
 
 Note [keep the last unit]: a unit whose last forward use and first backward
 use have no other gather between them (typically the last block and the root,
@@ -36,14 +37,19 @@ import torch.fx as fx
 from .. import collectives
 from ..context import CompileContext
 from ..graph_utils import alias_closure, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
+from ..placement import Strategy
 from ..trace import Phase, phase_of
 
 
 def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
-    if ctx.reshard_after_forward:
-        for wait in _gathered(graph):
+    resharded = {f.name for f in ctx.flats if f.strategy is Strategy.ZERO3}
+    regathered = False
+    for wait in _gathered(graph):
+        if sl_tag(wait)["flat"] in resharded:
             _regather_for_backward(graph, wait, alias_closure(wait), sl_tag(wait)["flat"])
+            regathered = True
+    if regathered:
         collectives.eliminate_dead_code(graph)  # forward views that only backward read
     for wait in _gathered(graph):
         _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"])

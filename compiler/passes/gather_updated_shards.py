@@ -1,0 +1,64 @@
+"""ZERO1: update this rank's slice of each whole flat parameter, then all-gather the updated slices.
+
+Before: a ZERO1 flat parameter's placeholder is the whole flat parameter
+(padded, Note [whole-flat shards] in `compiler.flat`); forward and backward
+read views of it, and `reduce_gradients` has reduce-scattered its gradient
+to this rank's slice. The optimizer nodes still update the placeholder
+itself.
+After: a ``local_shard`` node (this rank's slice, a view; placed by
+`emit.bind` at the rank's coordinate) stands for the placeholder in every
+optimizer node, so the update touches the slice in place and the optimizer
+state has the slice's size. Right after the flat parameter's last optimizer
+node, an ``all_gather_into`` writes every rank's updated slice back into the
+placeholder, in place; its ``wait`` sits at the end of the step, so the
+gathers overlap the remaining updates. The next step's forward reads the
+updated whole.
+
+Invariant: each trainable ZERO1 flat parameter has one "all_gather" (phase
+optimizer, meta ``update``) after its update and one "wait_update" for it;
+no optimizer node reads its placeholder except through ``local_shard``.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import collectives
+from ..context import CompileContext
+from ..graph_utils import placeholders_by_flat, tag
+from ..placement import Strategy
+from ..trace import Phase, phase_of, tag_of
+
+
+def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    flats = [f for f in ctx.flats if f.strategy is Strategy.ZERO1 and f.trainable]
+    if not flats:
+        return gm
+    graph = gm.graph
+    placeholders = placeholders_by_flat(graph, ctx.inputs)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for flat in flats:
+        full = placeholders[flat.name]
+        updates = [u for u in full.users if phase_of(u) is Phase.OPTIMIZER]
+        if not updates:
+            continue  # the optimizer does not touch it (no state, zero lr is still an update: never here)
+        first = min(updates, key=_position(graph))
+        last = max((n for n in graph.nodes if tag_of(n, "flat") == flat.name), key=_position(graph))
+        with graph.inserting_before(first):
+            shard = graph.call_function(collectives.local_shard, (full, flat.axis, flat.world))
+            shard.meta["custom"] = {"phase": Phase.OPTIMIZER.value, "flat": flat.name}
+        for user in updates:
+            user.replace_input_with(full, shard)
+        with graph.inserting_after(last):
+            issued = tag(graph.call_function(collectives.all_gather_into, (shard, full, flat.axis, flat.world)),
+                         "all_gather", flat.name, Phase.OPTIMIZER, update=True)
+        with graph.inserting_before(output):
+            tag(graph.call_function(collectives.wait, (issued,)), "wait_update", flat.name, Phase.OPTIMIZER)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__

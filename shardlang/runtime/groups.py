@@ -1,0 +1,60 @@
+"""Process groups for the axes of a mesh: one subgroup per group key, per rank.
+
+A compiled graph names its collectives' groups by key (`MeshShape.group_key`):
+a mesh axis (``"fsdp"``), several axes joined by ``+``, or ``"*"`` for every
+rank. On a ``replicate=2 x fsdp=2`` mesh (row-major: rank = 2 * replicate +
+fsdp) the key ``"fsdp"`` is the groups [0, 1] and [2, 3], the key
+``"replicate"`` the groups [0, 2] and [1, 3].
+
+`torch.distributed.new_group` is collective over the whole world: every rank
+must create every subgroup, in the same order, even those it is not in.
+`mesh_groups` does that for each key in the order given (every rank compiles
+the same graph, so every rank asks for the same keys in the same order), and
+keeps the groups it made for later steps (Note [group cache]).
+
+Note [group cache]: a step compiled twice, or two steps on the same mesh,
+reuse the subgroups made the first time instead of creating new ones (each
+gloo group holds sockets and threads). The cache is keyed by the world
+group's name, so a new default process group starts a new cache; every rank
+fills it in the same order because every rank compiles the same programs.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from shardlang.compiler.placement import WORLD, MeshShape
+
+__all__ = ["mesh_groups"]
+
+_CACHE: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def mesh_groups(mesh: MeshShape, keys, rank: int) -> dict[str, dist.ProcessGroup]:
+    """This rank's process group for each group key in ``keys`` (a collective: every rank calls it alike).
+
+    A key that spans every rank gets the default (world) group. Example::
+
+        groups = mesh_groups(MeshShape((("replicate", 2), ("fsdp", 2))), ["fsdp", "replicate"], rank=1)
+        dist.get_process_group_ranks(groups["fsdp"])        # [0, 1]
+    """
+    world = dist.group.WORLD
+    out: dict[str, dist.ProcessGroup] = {}
+    for key in dict.fromkeys(keys):
+        if key == WORLD or mesh.group_size(key) == mesh.size:
+            out[key] = world
+            continue
+        for ranks in mesh.groups(key):
+            group = _subgroup(world.group_name, ranks)
+            if rank in ranks:
+                out[key] = group
+    return out
+
+
+def _subgroup(world_name: str, ranks: list[int]) -> dist.ProcessGroup:
+    cache_key = (world_name, tuple(ranks))
+    group = _CACHE.get(cache_key)
+    if group is None:
+        group = dist.new_group(ranks)
+        _CACHE[cache_key] = group
+    return group
