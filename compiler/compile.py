@@ -18,7 +18,7 @@ import torch.fx as fx
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
 from .pipeline import DEFAULT_PASSES, run_passes
-from .placement import MeshShape, ParamInfo
+from .placement import MeshShape, ParamInfo, Strategy
 from .schedule import Schedule, read_schedule
 from .trace import TracedStep, trace_step
 from .optim import GroupedOptimizer
@@ -51,8 +51,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``check_each_pass`` the schedule verifier also runs after every pass
     (structural checks only; the final schedule is always verified).
     ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`).
+    Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
+    ZERO3 with ``reshard_after_forward``, ZERO2 without.
     """
-    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
+    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              default_strategy=default_strategy)
     training = training or Training()
     flats = split_by_group(flats, training)
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)

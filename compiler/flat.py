@@ -15,6 +15,15 @@ rebuilt from its column block. Padding is zero and stays zero: its gradient is
 zero and every optimizer here maps a zero parameter with zero gradient and
 zero state to zero.
 
+Note [whole-flat shards]: that layout is for strategies that shard the
+parameters (ZERO3, ZERO2). Under ZERO1 a rank holds the whole flat parameter,
+its members concatenated whole and padded to ``N * c`` elements, and its shard
+is the slice ``[r*c, (r+1)*c)`` of that storage (DeepSpeed's flat partition):
+forward reads views of the storage, the gradient is reduce-scattered in the
+same order, the optimizer updates the slice in place, and an all-gather writes
+every rank's updated slice back into the storage. The dims of ``shard(axis,
+dim=d)`` do not matter there: nothing is ever rebuilt from pieces.
+
 The functions here are plain torch code used in two places: by the runtime to cut
 real tensors into shards, and as call targets of graph nodes that unpack a
 gathered buffer or pack gradients for a reduce-scatter.
@@ -27,7 +36,7 @@ import math
 import attrs
 import torch
 
-from .placement import LayoutKind, MeshShape, ParamInfo
+from .placement import LayoutKind, MeshShape, ParamInfo, Strategy
 
 
 @attrs.frozen
@@ -89,6 +98,7 @@ class FlatParam:
     group: int = 0  # parameter group (`compiler.training`): which optimizer hyperparameters update it
     param_dtype: torch.dtype | None = None  # mixed precision: gather and compute in this dtype
     reduce_dtype: torch.dtype | None = None  # mixed precision: reduce gradients in this dtype
+    strategy: Strategy = Strategy.ZERO3  # DDP exactly when axis is None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -105,14 +115,31 @@ class FlatParam:
         return self.axis is not None
 
     @property
+    def params_sharded(self) -> bool:
+        """Whether a rank holds only a shard of the parameters and gathers them to compute (ZERO3, ZERO2)."""
+        return self.sharded and self.strategy.shards_parameters
+
+    @property
     def shard_numel(self) -> int:
-        """S: the elements a rank holds (all members' pieces)."""
+        """S: the elements of a rank's shard, which its optimizer updates (all members' pieces).
+
+        Under ZERO1, ``ceil(numel / N)`` (Note [whole-flat shards]); replicated, the whole.
+        """
+        if self.strategy is Strategy.ZERO1:
+            return -(-self.numel // self.world)
         return sum(m.piece_numel for m in self.members)
 
     @property
     def padded_numel(self) -> int:
         """N * S: the elements of the gathered buffer (the padded whole)."""
         return self.shard_numel * self.world
+
+    @property
+    def storage_numel(self) -> int:
+        """The elements of the parameter tensor a rank holds: its shard, or (ZERO1, DDP) the whole, padded."""
+        if self.params_sharded:
+            return self.shard_numel
+        return self.padded_numel if self.sharded else self.numel
 
     @property
     def numel(self) -> int:
@@ -125,27 +152,37 @@ class FlatParam:
 
 
 def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape, param_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None) -> tuple[FlatParam, ...]:
+                      reduce_dtype: torch.dtype | None = None,
+                      default_strategy: Strategy = Strategy.ZERO3) -> tuple[FlatParam, ...]:
     """Group parameters into flat parameters, in order of first appearance of each group.
 
     ``param_dtype`` / ``reduce_dtype`` set mixed precision on every floating flat parameter.
+    A parameter whose ``strategy`` is None gets ``default_strategy``. A flat
+    parameter is replicated (DDP) when its layout is ``replicate()``, its
+    strategy is DDP, or it is frozen under ZERO1 (no optimizer state to shard).
     """
     groups: dict[tuple, list[ParamInfo]] = {}
     for p in params:
+        strategy = p.strategy or default_strategy
         axis = p.placement.axis if p.placement.is_sharded else None
-        key = (p.unit, axis, p.trainable, p.dtype)
+        if strategy is Strategy.DDP or (strategy is Strategy.ZERO1 and not p.trainable):
+            axis = None
+        if axis is None:
+            strategy = Strategy.DDP
+        suffix = "#replicated" if not p.placement.is_sharded and (p.strategy or default_strategy) is not Strategy.DDP else ""
+        key = (p.unit, axis, p.trainable, p.dtype, strategy, suffix)
         groups.setdefault(key, []).append(p)
     flats = []
-    for (unit, axis, trainable, dtype), infos in groups.items():
+    for (unit, axis, trainable, dtype, strategy, suffix), infos in groups.items():
         world = mesh.axis_size(axis) if axis is not None else 1
         members, offset = [], 0
         for info in infos:
-            member = Member(info=info, world=world, offset=offset)
+            member = Member(info=info, world=1 if strategy is Strategy.ZERO1 else world, offset=offset)
             members.append(member)
             offset += member.piece_numel
         flats.append(
             FlatParam(
-                name=_flat_name(unit, axis, trainable, dtype, mesh),
+                name=_flat_name(unit, trainable, suffix),
                 unit=unit,
                 axis=axis,
                 world=world,
@@ -154,20 +191,34 @@ def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape, param_dtyp
                 members=tuple(members),
                 param_dtype=param_dtype if dtype.is_floating_point and param_dtype != dtype else None,
                 reduce_dtype=reduce_dtype if dtype.is_floating_point else None,
+                strategy=strategy,
             )
         )
-    return tuple(flats)
+    return _unique_names(flats)
 
 
-def _flat_name(unit: str, axis: str | None, trainable: bool, dtype: torch.dtype, mesh: MeshShape) -> str:
-    name = unit or "<root>"
-    if axis is None:
-        name += "#replicated"
-    elif len(mesh.axes) > 1:
-        name += f"#{axis}"
-    if not trainable:
-        name += "#frozen"
-    return name
+def _flat_name(unit: str, trainable: bool, suffix: str) -> str:
+    return (unit or "<root>") + suffix + ("" if trainable else "#frozen")
+
+
+def _unique_names(flats: list[FlatParam]) -> tuple[FlatParam, ...]:
+    """Flat parameters that would share a name get what tells them apart: ``#axis``, ``#strategy``, ``#dtype``.
+
+    Example: a unit with parameters sharded over two axes of a 2-D mesh has
+    flat parameters ``blocks.0#fsdp`` and ``blocks.0#replicate``.
+    """
+    clashes: dict[str, list[FlatParam]] = {}
+    for f in flats:
+        clashes.setdefault(f.name, []).append(f)
+    parts = (lambda f: f.axis, lambda f: f.strategy.value, lambda f: str(f.dtype).removeprefix("torch."))
+    renamed = []
+    for f in flats:
+        group = clashes[f.name]
+        if len(group) > 1:
+            varying = [part for part in parts if len({part(g) for g in group}) > 1]
+            f = attrs.evolve(f, name=f.name + "".join(f"#{part(f)}" for part in varying if part(f) is not None))
+        renamed.append(f)
+    return tuple(renamed)
 
 
 # ---- cutting real tensors (runtime) -------------------------------------------------
@@ -188,9 +239,14 @@ def member_piece(member: Member, full: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def shard_of(flat: FlatParam, tensors: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
-    """A rank's shard of ``flat`` cut from full tensors by member name (a fresh, contiguous tensor)."""
+    """A rank's parameter storage for ``flat`` cut from full tensors by member name (fresh, contiguous).
+
+    Its shard when the strategy shards parameters; the whole flat parameter
+    (padded under ZERO1, Note [whole-flat shards]) otherwise.
+    """
     pieces = [member_piece(m, tensors[m.name].detach(), rank) for m in flat.members]
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
+    out = torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
+    return _pad_flat(out, flat.storage_numel)
 
 
 # ---- graph node targets --------------------------------------------------------------
@@ -238,6 +294,16 @@ def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.
     """Concatenate full gradients of a replicated flat parameter (the all-reduce buffer), in ``dtype``."""
     flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
     return flat if dtype is None else flat.to(dtype)
+
+
+def pack_whole_gradients(padded_numel: int, dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
+    """Concatenate full gradients and pad them to ``padded_numel`` (ZERO1's reduce-scatter buffer), in ``dtype``.
+
+    Row r of the result viewed as ``(N, c)`` is rank r's slice (Note [whole-flat shards]).
+    """
+    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+    flat = flat if dtype is None else flat.to(dtype)
+    return _pad_flat(flat, padded_numel)
 
 
 def _pad_flat(flat: torch.Tensor, numel: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from .context import CompileContext
 from .errors import CompileError
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_parameters import gather_parameters
+from .passes.gather_updated_shards import gather_updated_shards
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
@@ -32,6 +33,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     prefetch_gathers,
     reduce_gradients,
     clip_gradients,
+    gather_updated_shards,
     shard_optimizer,
 )
 

@@ -29,8 +29,10 @@ import attrs
 import torch
 import torch.fx as fx
 
+from . import collectives
 from .context import CompileContext
 from .graph_utils import alias_closure, sl_tag
+from .placement import WORLD
 from .trace import Phase, phase_of, tag_of
 
 
@@ -67,6 +69,8 @@ class ScheduleOp:
     nodes: int = 0
     numel: int = 0
     detail: str = ""
+    group: str | None = None  # a collective's group: a mesh axis, "*" (every rank), or axes joined by "+"
+    group_size: int = 0  # the ranks in that group
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=False)
@@ -77,7 +81,14 @@ class ScheduleOp:
 
 @attrs.frozen
 class FlatSummary:
-    """A flat parameter as the schedule reports it."""
+    """A flat parameter as the schedule reports it.
+
+    ``local_numel`` is the shard a rank's optimizer updates (and the size of each
+    optimizer state tensor); ``held_numel`` the parameter storage a rank holds:
+    the shard under ZERO3 / ZERO2, the whole (padded) flat parameter under ZERO1
+    and DDP. ``strategy`` is a `compiler.placement.Strategy` value; ``axis`` the
+    mesh axis it is sharded over (None when replicated).
+    """
 
     name: str
     unit: str
@@ -88,6 +99,9 @@ class FlatSummary:
     local_numel: int
     element_size: int
     members: tuple[str, ...]
+    strategy: str = "zero3"
+    held_numel: int = 0
+    axis: str | None = None
 
     @property
     def padded_bytes(self) -> int:
@@ -96,17 +110,30 @@ class FlatSummary:
 
 @attrs.frozen
 class Summary:
-    """Per-step totals for one rank: collective counts and payload bytes by kind."""
+    """Per-step totals for one rank: collective counts, payload bytes and ring wire bytes by kind.
+
+    Wire bytes count each collective over its own group of n ranks:
+    ``(n-1)/n`` of an all-gather or reduce-scatter payload, ``2(n-1)/n`` of an
+    all-reduce's (on a hybrid mesh the all-reduce of shards runs over the
+    replicas, the others over the shard group).
+    """
 
     world_size: int
     collectives: dict[str, int]
     bytes_per_rank: dict[str, int]
+    wire: dict[str, float] | None = None  # exact wire bytes by kind; None: every collective over the world
 
     @property
     def wire_bytes_per_rank(self) -> dict[str, int]:
-        n = self.world_size
-        factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
-        return {k: round(v * factor[k]) for k, v in self.bytes_per_rank.items()}
+        if self.wire is not None:
+            return {k: round(v) for k, v in self.wire.items()}
+        return {k: round(v * wire_factor(k, self.world_size)) for k, v in self.bytes_per_rank.items()}
+
+
+def wire_factor(kind: str, group_size: int) -> float:
+    """What one rank sends per payload byte with a ring algorithm over ``group_size`` ranks."""
+    n = max(group_size, 1)
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n
 
 
 @attrs.frozen
@@ -123,11 +150,13 @@ class Schedule:
     def summary(self) -> Summary:
         counts = {k.value: 0 for k in COLLECTIVE_KINDS}
         sizes = {k.value: 0 for k in COLLECTIVE_KINDS}
+        wire = {k.value: 0.0 for k in COLLECTIVE_KINDS}
         for op in self.ops:
             if op.kind in COLLECTIVE_KINDS:
                 counts[op.kind.value] += 1
                 sizes[op.kind.value] += op.bytes
-        return Summary(self.world_size, counts, sizes)
+                wire[op.kind.value] += op.bytes * wire_factor(op.kind.value, op.group_size or self.world_size)
+        return Summary(self.world_size, counts, sizes, wire)
 
     def flat(self, name: str) -> FlatSummary:
         return next(f for f in self.flats if f.name == name)
@@ -187,7 +216,8 @@ def _flat_summary(flat) -> FlatSummary:
         name=flat.name, unit=flat.unit, sharded=flat.sharded, trainable=flat.trainable, numel=flat.numel,
         padded_numel=flat.padded_numel if flat.sharded else flat.numel,
         local_numel=flat.shard_numel if flat.sharded else flat.numel, element_size=flat.element_size,
-        members=tuple(m.name for m in flat.members),
+        members=tuple(m.name for m in flat.members), strategy=flat.strategy.value, held_numel=flat.storage_numel,
+        axis=flat.axis,
     )
 
 
@@ -223,9 +253,13 @@ class _Builder:
             handle = len(self.handles)
             self.handles[node] = handle
             nbytes = _nbytes(node) if kind == "all_gather" else _nbytes(node.args[0])
+            group, group_size = collectives.group_of(node) or (None, 0)
+            detail = tag.get("detail") or ("re-gather for backward" if tag.get("regather") else
+                                           "updated shards" if tag.get("update") else
+                                           "across replicas" if kind == "all_reduce" and flat and group != WORLD else "")
             self.add(OpKind(kind), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
-                     detail=tag.get("detail") or ("re-gather for backward" if tag.get("regather") else ""))
-        elif kind in ("wait_gather", "wait_reduce"):
+                     detail=detail, group=group, group_size=group_size)
+        elif kind in ("wait_gather", "wait_reduce", "wait_update"):
             self.close_segment()
             self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]))
             if kind == "wait_gather":

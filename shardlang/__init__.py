@@ -32,6 +32,7 @@ from .mesh import Mesh
 from .precision import MixedPrecision
 from .rules import Rule
 from .spec import Options, ResolvedSpec, Spec
+from .strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
 from .step import Step
 from .training import Accumulation, ParamGroup, RandomScheme
 
@@ -41,4 +42,5 @@ __all__ = [
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
     "compile", "plan", "replicate", "shard", "split_batch", "verify",
     "Accumulation", "ParamGroup", "RandomScheme",
+    "DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3",
 ]

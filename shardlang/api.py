@@ -67,11 +67,6 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
     resolved = spec.resolve(model, world_size)
-    if len(resolved.mesh.axes) > 1:
-        raise SpecError(
-            f"{spec.mesh!r} has {len(resolved.mesh.axes)} axes; this version compiles 1-D meshes only "
-            "(e.g. Mesh(fsdp=-1)); hybrid replicate x shard meshes are on the roadmap"
-        )
     return compile_step(
         model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
         reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,

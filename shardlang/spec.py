@@ -27,13 +27,14 @@ import attrs
 from torch import nn
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import MeshShape, ParamInfo, Placement
+from shardlang.compiler.placement import MeshShape, ParamInfo, Placement, Strategy
 from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
 from shardlang.precision import MixedPrecision
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang import training
-from shardlang.units import find_units, to_units, unit_label, unit_of
+from shardlang.strategy import StrategyRule, first_strategy, strategy_repr, strategy_rule_from_dict, to_strategies
+from shardlang.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +43,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
-_SPEC_KEYS = ("mesh", "rules", "units", "options", "param_groups")
+_SPEC_KEYS = ("mesh", "rules", "units", "strategies", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
                 "random", "seed")
 _SHOWN_NAMES = 12
@@ -140,7 +141,7 @@ def _rules_or_default(value: object) -> tuple[Rule, ...] | None:
 class Spec:
     """A sharding spec: mesh, rules (first match wins), units and options.
 
-    ``rules`` defaults to ``[("*", shard(<first mesh axis>))]``: every parameter
+    ``rules`` defaults to ``[("*", shard(<last mesh axis>))]``: every parameter
     sharded flat. ``units`` defaults to None: the repeated children of every
     ModuleList / Sequential. Lists become tuples; everything is checked here, and
     again against the model in `resolve`. ``source`` says where the spec came from
@@ -161,11 +162,12 @@ class Spec:
     units: tuple[str, ...] | None = attrs.field(default=None, converter=to_units)
     options: Options = attrs.field(factory=Options, validator=_check_options)
     param_groups: tuple[training.ParamGroup, ...] = attrs.field(default=(), converter=training.to_param_groups)
+    strategies: tuple[StrategyRule, ...] | None = attrs.field(default=None, converter=to_strategies)
     source: str = attrs.field(default="the spec", kw_only=True, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.rules is None:
-            object.__setattr__(self, "rules", (Rule("*", shard(self.mesh.axis_names[0])),))
+            object.__setattr__(self, "rules", (Rule("*", shard(self.mesh.axis_names[-1])),))
 
     # -- plain-dict and TOML forms ------------------------------------------------------------
 
@@ -206,7 +208,14 @@ class Spec:
             groups = d.get("param_groups", ())
             if not isinstance(groups, list | tuple):
                 raise SpecError(f"param_groups is {groups!r}; it must be a list of tables ([[param_groups]] in TOML)")
-            return cls(mesh, rules=rules, units=d.get("units"), options=options, param_groups=groups, source=source)
+            strategies = d.get("strategies")
+            if strategies is not None:
+                if not isinstance(strategies, list):
+                    raise SpecError(f"strategies is {strategies!r}; it must be a list of strategy tables "
+                                    "([[strategies]] in TOML)")
+                strategies = [strategy_rule_from_dict(r, f"strategies[{i}]") for i, r in enumerate(strategies)]
+            return cls(mesh, rules=rules, units=d.get("units"), options=options, param_groups=groups,
+                       strategies=strategies, source=source)
 
     @classmethod
     def from_toml(cls, path: str | Path, table: str | None = None) -> Spec:
@@ -248,6 +257,8 @@ class Spec:
         d["options"] = self.options.to_dict()
         if self.param_groups:
             d["param_groups"] = [g.to_dict() for g in self.param_groups]
+        if self.strategies is not None:
+            d["strategies"] = [r.to_dict() for r in self.strategies]
         return d
 
     def to_toml(self, table: str | None = "shardlang") -> str:
@@ -281,6 +292,7 @@ class Spec:
             self._check_every_param_matches(named, winners)
             self._check_every_rule_decides(named, winners)
             units = frozenset(find_units(model, self.units))
+            strategy_of = self._unit_strategies(units)
             params, failures = [], []
             for (name, p), i in zip(named, winners):
                 try:
@@ -290,13 +302,38 @@ class Spec:
                     continue
                 unit = unit_of(name, units)
                 info = ParamInfo(
-                    name=name, shape=p.shape, dtype=p.dtype, trainable=p.requires_grad, unit=unit, placement=placement
+                    name=name, shape=p.shape, dtype=p.dtype, trainable=p.requires_grad, unit=unit, placement=placement,
+                    strategy=strategy_of[unit],
                 )
                 params.append(info)
             self._check_no_failed_placements(failures)
             group_of = training.assign_groups([(name, p.requires_grad) for name, p in named], self.param_groups)
         return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options, param_groups=self.param_groups,
                             group_of=group_of)
+
+    def _unit_strategies(self, units: frozenset[str]) -> dict[str, Strategy]:
+        """Each unit's strategy (first matching strategy rule, else the default); checks every rule decides one."""
+        default = Strategy.ZERO3 if self.options.reshard_after_forward else Strategy.ZERO2
+        labels = [ROOT_UNIT, *sorted(units)]
+        if not self.strategies:
+            return {unit: default for unit in labels}
+        winners = {unit: first_strategy(self.strategies, unit_label(unit)) for unit in labels}
+        for i, rule in enumerate(self.strategies):
+            if i in winners.values():
+                continue
+            matched = [unit_label(u) for u in labels if rule.matches(unit_label(u))]
+            if not matched:
+                raise SpecError(
+                    f"strategies[{i}] = {rule!r} matches no unit; strategy patterns match whole unit names "
+                    f"such as {_some([unit_label(u) for u in labels])} (units are modules; see units=)"
+                )
+            earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
+            raise SpecError(
+                f"strategies[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
+                f"an earlier rule ({', '.join(f'strategies[{j}] = {self.strategies[j]!r}' for j in earlier)}); "
+                "the first match wins, so move it before them or remove it"
+            )
+        return {unit: default if i is None else self.strategies[i].strategy for unit, i in winners.items()}
 
     def _check_no_failed_placements(self, failures: list[tuple[int, str, SpecError]]) -> None:
         if not failures:
@@ -314,7 +351,7 @@ class Spec:
             raise SpecError(
                 f"{what} {_some(missing)} {verb} no rule; every parameter must match one. The rules are "
                 f"{list(self.rules)}; add a rule for them, or end with a catch-all such as "
-                f"('*', shard({self.mesh.axis_names[0]!r}))"
+                f"('*', shard({self.mesh.axis_names[-1]!r}))"
             )
 
     def _check_every_rule_decides(self, named: list, winners: list[int | None]) -> None:
@@ -368,11 +405,12 @@ class ResolvedSpec:
 
     def describe(self) -> str:
         """A table of every parameter: name, shape, dtype, trainable, unit, layout. Example: ``print(r.describe())``."""
-        rows = [("parameter", "shape", "dtype", "trainable", "unit", "layout")]
+        rows = [("parameter", "shape", "dtype", "trainable", "unit", "layout", "strategy")]
         for p in self.params:
             dtype = str(p.dtype).removeprefix("torch.")
             layout = repr(_layout_of(p.placement))
-            rows.append((p.name, str(list(p.shape)), dtype, str(p.trainable), unit_label(p.unit), layout))
+            strategy = strategy_repr(p.strategy) if p.strategy is not None else ""
+            rows.append((p.name, str(list(p.shape)), dtype, str(p.trainable), unit_label(p.unit), layout, strategy))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 

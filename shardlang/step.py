@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from .batch import batch_leaves
 from .compiler.compile import CompiledStep
-from .compiler.emit import WORLD_AXIS, bind
+from .compiler.emit import WORLD_AXIS, bind, group_keys
 from .compiler.flat import shard_of, unpack_member
 from .compiler.optim import hyper_name, hyper_tensors, init_state
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError
 from .lr import LRSchedule
 from .runtime.dist import DistContext
+from .runtime.groups import mesh_groups
 
 
 class Step:
@@ -39,12 +40,16 @@ class Step:
         self.optimizer = optimizer
         self.dist = ctx
         self._check_world(ctx)
-        self._graph = bind(compiled.graph_module, self._group_names(ctx))
+        if ctx.has_process_group:  # before making subgroups: different programs would hang there
+            _check_same_schedule(compiled.schedule, ctx)
+        self._groups = self._make_groups(ctx)
+        names = {key: group.group_name for key, group in self._groups.items()} if ctx.has_process_group else None
+        self._graph = bind(compiled.graph_module, names, self._mesh_coordinate())
         named = dict(model.named_parameters())
         device = ctx.device
         self.flat_tensors = [shard_of(f, named, self._coordinate(f)).to(device).clone() for f in compiled.flats]
         self.optimizer_state = [s for f, t in zip(compiled.flats, self.flat_tensors) if f.trainable
-                                for s in init_state(compiled.traced.optimizer, t, f)]
+                                for s in init_state(compiled.traced.optimizer, self._optimizer_shard(f, t), f)]
         self.step_count = torch.zeros((), dtype=torch.float64, device=device)
         self.hyper = {k: v.to(device) for k, v in hyper_tensors(compiled.traced.optimizer).items()}
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
@@ -52,8 +57,6 @@ class Step:
             self._write_lrs(self.lr_schedule.lrs())
         self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
         self._buffer_names = [n for n, _ in model.named_buffers()]
-        if ctx.has_process_group:
-            _check_same_schedule(compiled.schedule, ctx)
 
     @property
     def schedule(self) -> Schedule:
@@ -99,9 +102,9 @@ class Step:
         """Every parameter, whole, by name (a collective: call it on every rank)."""
         out = {}
         for flat, local in zip(self.compiled.flats, self.flat_tensors):
-            gathered = _all_gather(local, flat.world) if flat.sharded else local
+            gathered = _all_gather(local, flat.world, self._groups.get(flat.axis)) if flat.params_sharded else local
             for m in flat.members:
-                if flat.sharded:
+                if flat.params_sharded:
                     full = unpack_member(gathered, m.world, m.offset, m.piece_numel, m.kind.value, m.dim,
                                          list(m.local_shape), list(m.info.shape))
                 else:
@@ -122,9 +125,20 @@ class Step:
             for name, b in model.named_buffers():
                 b.copy_(self.full_buffers()[name])
 
+    def _mesh_coordinate(self) -> dict[str, int]:
+        """This rank's coordinate on each mesh axis (row-major over the axes in order)."""
+        return self.compiled.context.mesh.coordinate(self.dist.rank)
+
     def _coordinate(self, flat) -> int:
-        # 1-D meshes: a rank's coordinate along the only axis is its rank.
-        return self.dist.rank if flat.sharded else 0
+        """Which shard of ``flat`` this rank holds: its coordinate on the flat's axis (0 when it holds the whole)."""
+        return self._mesh_coordinate()[flat.axis] if flat.params_sharded else 0
+
+    def _optimizer_shard(self, flat, held: torch.Tensor) -> torch.Tensor:
+        """The part of this rank's parameter tensor its optimizer updates (ZERO1: one slice of the whole)."""
+        if flat.sharded and not flat.params_sharded:
+            c = flat.shard_numel
+            return held.narrow(0, self._mesh_coordinate()[flat.axis] * c, c)
+        return held
 
     def _check_world(self, ctx: DistContext) -> None:
         expected = self.compiled.context.mesh.size
@@ -133,19 +147,22 @@ class Step:
                 f"the step was compiled for a mesh of {expected} ranks but runs in a world of {ctx.world_size}"
             )
 
-    def _group_names(self, ctx: DistContext) -> dict[str, str] | None:
+    def _make_groups(self, ctx: DistContext) -> dict:
+        """This rank's process group for every group key the graph uses, and for every sharded flat's axis."""
         if not ctx.has_process_group:
-            return None
-        world = dist.group.WORLD.group_name
-        return {name: world for name in (*self.compiled.context.mesh.names, WORLD_AXIS)}
+            return {}
+        mesh = self.compiled.context.mesh
+        keys = [*group_keys(self.compiled.graph_module), WORLD_AXIS,
+                *(f.axis for f in self.compiled.flats if f.params_sharded)]
+        return mesh_groups(mesh, keys, ctx.rank)
 
 
-def _all_gather(local: torch.Tensor, world: int) -> torch.Tensor:
+def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:
     if world == 1:
         return local
     out = local.new_empty(local.numel() * world)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(out, local.contiguous())
+    gather(out, local.contiguous(), group=group)
     return out
 
 
