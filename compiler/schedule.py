@@ -161,6 +161,25 @@ class Schedule:
     def flat(self, name: str) -> FlatSummary:
         return next(f for f in self.flats if f.name == name)
 
+    def by_strategy(self) -> dict[str, dict[str, int]]:
+        """Per strategy: its flat parameters, the parameter bytes a rank holds, and its payload bytes by collective.
+
+        Example: ``schedule.by_strategy()["zero1"] == {"flats": 2, "held_bytes": ..., "all_gather": ...,
+        "reduce_scatter": ..., "all_reduce": 0}``. Collectives of no flat parameter (BatchNorm statistics,
+        a gradient norm) are not counted here.
+        """
+        out: dict[str, dict[str, int]] = {}
+        strategy_of = {f.name: f.strategy for f in self.flats}
+        for f in self.flats:
+            row = out.setdefault(f.strategy, {"flats": 0, "held_bytes": 0, **{k.value: 0 for k in COLLECTIVE_KINDS}})
+            row["flats"] += 1
+            row["held_bytes"] += f.held_numel * f.element_size
+        for op in self.ops:
+            if op.kind in COLLECTIVE_KINDS and op.flat in strategy_of:
+                out[strategy_of[op.flat]][op.kind.value] += op.bytes
+        return out
+
+
     def to_dict(self) -> dict:
         summary = self.summary
         return {
@@ -172,6 +191,7 @@ class Schedule:
             "collectives": summary.collectives,
             "bytes_per_rank": summary.bytes_per_rank,
             "wire_bytes_per_rank": summary.wire_bytes_per_rank,
+            "bytes_by_strategy": self.by_strategy(),
         }
 
     def to_json(self, indent: int | None = None) -> str:

@@ -44,9 +44,21 @@ def format_summary(schedule: Schedule) -> str:
         k = kind.value
         lines.append(f"{k:<16}{s.collectives[k]:>7}{human_bytes(s.bytes_per_rank[k]):>16}{human_bytes(wire[k]):>16}")
     params = sum(f.padded_bytes for f in sharded)
-    local = sum(f.local_numel * f.element_size for f in schedule.flats)
+    local = sum(f.held_numel * f.element_size for f in schedule.flats)
     lines.append(f"sharded parameters M = {human_bytes(params)} (padded); held per rank: {human_bytes(local)}")
+    lines += _strategy_lines(schedule)
     return "\n".join(lines)
+
+
+def _strategy_lines(schedule: Schedule) -> list[str]:
+    """Per strategy: flat parameters, parameter bytes held per rank, payload per rank by collective."""
+    rows = schedule.by_strategy()
+    lines = [f"{'strategy':<10}{'flats':>6}{'held/rank':>13}{'all_gather':>13}{'reduce_scatter':>16}{'all_reduce':>13}"]
+    for name, row in rows.items():
+        lines.append(f"{name:<10}{row['flats']:>6}{human_bytes(row['held_bytes']):>13}"
+                     f"{human_bytes(row['all_gather']):>13}{human_bytes(row['reduce_scatter']):>16}"
+                     f"{human_bytes(row['all_reduce']):>13}")
+    return lines
 
 
 def _unit(unit: str | None) -> str:

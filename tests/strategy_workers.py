@@ -17,14 +17,14 @@ from parity import DTYPES, OPTIMIZERS
 
 
 def train_with_spec(ctx, case_name: str, optimizer: str, spec_dict: dict, steps: int = 3, dtype: str = "float64"):
-    """Train ``steps`` steps under ``Spec.from_dict(spec_dict)``; every rank returns (losses, params, schedule dict).
+    """Train ``steps`` steps under ``Spec.from_dict(spec_dict)``; every rank returns (losses, params, buffers).
 
-    The spec's mesh may name any sizes that multiply to the world size (``-1`` fills the rest).
+    The spec's mesh may name any sizes that multiply to the world size (``-1``
+    fills the rest); the case's units apply unless the spec names its own.
     """
     case, dt = CASES[case_name], DTYPES[dtype]
     model = case.build(dt)
-    spec = sl.Spec.from_dict({"units": list(case.units) if case.units else None, **spec_dict}
-                             if case.units and "units" not in spec_dict else spec_dict)
+    spec = sl.Spec.from_dict(_with_units(case, spec_dict))
     example = split_batch(case.make_batch(0, dt), ctx.world_size, ctx.rank)
     step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS[optimizer][0](), example_batch=example,
                       dist_context=ctx, check_each_pass=True)
@@ -32,7 +32,11 @@ def train_with_spec(ctx, case_name: str, optimizer: str, spec_dict: dict, steps:
     for k in range(steps):
         batch = split_batch(case.make_batch(k, dt), ctx.world_size, ctx.rank)
         losses.append(float(step(batch)))
-    return losses, step.full_parameters(), step.schedule.to_dict()
+    return losses, step.full_parameters(), {k: v.clone() for k, v in step.full_buffers().items()}
+
+
+def _with_units(case, spec_dict: dict) -> dict:
+    return {"units": list(case.units), **spec_dict} if case.units and "units" not in spec_dict else spec_dict
 
 
 def held_bytes_and_traffic(ctx, case_name: str, spec_dict: dict):
@@ -45,7 +49,7 @@ def held_bytes_and_traffic(ctx, case_name: str, spec_dict: dict):
 
     case = CASES[case_name]
     model = case.build(torch.float64)
-    spec = sl.Spec.from_dict({"units": list(case.units), **spec_dict} if case.units else spec_dict)
+    spec = sl.Spec.from_dict(_with_units(case, spec_dict))
     example = split_batch(case.make_batch(0, torch.float64), ctx.world_size, ctx.rank)
     step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS["adamw"][0](), example_batch=example,
                       dist_context=ctx)

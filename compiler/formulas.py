@@ -1,0 +1,73 @@
+"""Each strategy's communication formula, computed from a schedule's flat parameters alone.
+
+Per rank per step, for one flat parameter of padded bytes P (``FlatSummary.padded_bytes``),
+sharded over an axis of S ranks on a world of N = S * R ranks (R replicas; R = 1
+on a 1-D mesh), the payload bytes of each collective are (docs/strategies.md):
+
+=========  ===============================  ==============  ========================
+strategy   all_gather                       reduce_scatter  all_reduce
+=========  ===============================  ==============  ========================
+ZERO3      P, plus P if re-gathered          P               P / S across replicas
+ZERO2      P                                P               P / S across replicas
+ZERO1      P (the updated shards)           P               P / S across replicas
+DDP        0                                0               its unpadded bytes
+=========  ===============================  ==============  ========================
+
+Frozen flat parameters have no reduce-scatter, no all-reduce and (ZERO1) no
+gather of updated shards; a frozen ZERO3 / ZERO2 flat parameter is still
+gathered. "Re-gathered" is the compiler's choice (Note [keep the last unit]);
+the schedule marks those gathers "re-gather for backward". All-reduces of no
+flat parameter (BatchNorm statistics, a gradient norm) are added as they are.
+Summed over flat parameters this gives the textbook totals: ZERO3 ``M + R``
+(``R <= M``) all-gathered and ``M`` reduce-scattered, ZERO2 and ZERO1 ``M`` and
+``M``, DDP ``M`` all-reduced.
+
+Example::
+
+    assert formula_bytes(schedule) == schedule.summary.bytes_per_rank
+"""
+
+from __future__ import annotations
+
+from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
+
+REGATHER_DETAIL = "re-gather for backward"
+
+
+def formula_bytes(schedule: Schedule) -> dict[str, int]:
+    """The payload bytes per rank per step by collective kind that the strategies' formulas give."""
+    total = {k.value: 0 for k in COLLECTIVE_KINDS}
+    for name, row in formula_bytes_by_flat(schedule).items():
+        for kind, n in row.items():
+            total[kind] += n
+    for op in schedule.ops:  # collectives of no flat parameter: BatchNorm statistics, a gradient norm
+        if op.kind is OpKind.ALL_REDUCE and op.flat is None:
+            total["all_reduce"] += op.bytes
+    return total
+
+
+def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
+    """The formula's payload bytes per rank per step for each flat parameter, by collective kind."""
+    sizes = dict(schedule.mesh)
+    regathered = {op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL}
+    out = {}
+    for f in schedule.flats:
+        row = {k.value: 0 for k in COLLECTIVE_KINDS}
+        if f.strategy == "ddp" or not f.sharded:
+            if f.trainable:
+                row["all_reduce"] = f.numel * f.element_size
+            out[f.name] = row
+            continue
+        p = f.padded_bytes
+        shard_group = sizes.get(f.axis, schedule.world_size) if f.axis else schedule.world_size
+        replicas = schedule.world_size // shard_group
+        if f.strategy in ("zero3", "zero2"):
+            row["all_gather"] = p * (2 if f.name in regathered else 1)
+        if f.trainable:
+            row["reduce_scatter"] = p
+            if f.strategy == "zero1":
+                row["all_gather"] = p
+            if replicas > 1:
+                row["all_reduce"] = p // shard_group
+        out[f.name] = row
+    return out
