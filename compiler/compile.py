@@ -39,6 +39,20 @@ class CompiledStep:
     def flats(self) -> tuple[FlatParam, ...]:
         return self.context.flats
 
+    @property
+    def memory(self):
+        """The static memory plan (`compiler.memory.MemoryPlan`) with the default collective scratch."""
+        from .memory import plan_memory
+
+        return plan_memory(self.graph_module, self.schedule, self.context.inputs)
+
+    @property
+    def timeline(self):
+        """The predicted timeline (`compiler.cost.Timeline`) under the default `CostModel` (gloo, CPU)."""
+        from .cost import CostModel
+
+        return CostModel().predict(self.schedule, self.graph_module)
+
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
                  optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,

@@ -55,7 +55,9 @@ class ScheduleOp:
 
     ``handle`` pairs a collective with its wait. ``uses`` lists, for a compute
     segment, the flat parameters whose gathered values it reads. ``numel`` is,
-    for an optimizer op, the elements the update touches.
+    for an optimizer op, the elements the update touches. ``node_names`` are
+    the graph nodes the op covers, in order (not part of the JSON or the
+    digest); the memory plan and the profiler map nodes to ops through them.
     """
 
     index: int
@@ -71,9 +73,10 @@ class ScheduleOp:
     detail: str = ""
     group: str | None = None  # a collective's group: a mesh axis, "*" (every rank), or axes joined by "+"
     group_size: int = 0  # the ranks in that group
+    node_names: tuple[str, ...] = attrs.field(default=(), eq=False, repr=False)
 
     def to_dict(self) -> dict:
-        d = attrs.asdict(self, recurse=False)
+        d = attrs.asdict(self, recurse=False, filter=lambda a, _v: a.name != "node_names")
         d["kind"] = self.kind.value
         d["uses"] = list(self.uses)
         return d
@@ -278,16 +281,18 @@ class _Builder:
                                            "updated shards" if tag.get("update") else
                                            "across replicas" if kind == "all_reduce" and flat and group != WORLD else "")
             self.add(OpKind(kind), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
-                     detail=detail, group=group, group_size=group_size)
+                     detail=detail, group=group, group_size=group_size, node_names=(node.name,))
         elif kind in ("wait_gather", "wait_reduce", "wait_update"):
             self.close_segment()
-            self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]))
+            self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]),
+                     node_names=(node.name,))
             if kind == "wait_gather":
                 for alias in alias_closure(node):
                     self.gathered[alias] = flat
         elif kind == "free":
             self.close_segment()
-            self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_nbytes(node.args[0]))
+            self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_nbytes(node.args[0]),
+                     node_names=(node.name,))
         elif phase == Phase.OPTIMIZER.value and tag_of(node, "flat") and not kind:
             self.extend_segment(node, OpKind.OPTIMIZER, phase, tag_of(node, "flat"))
         else:
@@ -297,8 +302,10 @@ class _Builder:
         seg = self.segment
         if seg is None or seg["kind"] is not kind or seg["phase"] != phase or seg["flat"] != flat:
             self.close_segment()
-            seg = self.segment = {"kind": kind, "phase": phase, "flat": flat, "nodes": 0, "uses": [], "numel": 0}
+            seg = self.segment = {"kind": kind, "phase": phase, "flat": flat, "nodes": 0, "uses": [], "numel": 0,
+                                  "names": []}
         seg["nodes"] += 1
+        seg["names"].append(node.name)
         for arg in node.all_input_nodes:
             used = self.gathered.get(arg)
             if used is not None and used not in seg["uses"]:
@@ -315,4 +322,4 @@ class _Builder:
         if seg is None:
             return
         self.add(seg["kind"], seg["phase"], unit=self.unit_of(seg["flat"]), flat=seg["flat"], nodes=seg["nodes"],
-                 uses=tuple(seg["uses"]), numel=seg["numel"])
+                 uses=tuple(seg["uses"]), numel=seg["numel"], node_names=tuple(seg["names"]))

@@ -63,14 +63,24 @@ class Step:
         return self.compiled.schedule
 
     def __call__(self, batch) -> torch.Tensor:
-        leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
+        inputs = self.graph_inputs(batch)
         with torch.no_grad():  # the graph holds its own backward; autograd must not record it again
-            loss = self._graph(*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(),
-                               *self.buffers, *leaves)
+            loss = self._graph(*inputs)
         if self.lr_schedule is not None:
             self.lr_schedule.advance()
             self._write_lrs(self.lr_schedule.lrs())
         return loss
+
+    @property
+    def graph(self) -> torch.fx.GraphModule:
+        """The bound graph this rank runs (collectives on real process groups)."""
+        return self._graph
+
+    def graph_inputs(self, batch) -> list:
+        """The bound graph's arguments for one step on the per-rank ``batch`` (for profilers and memory checks)."""
+        leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
+        return [*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(), *self.buffers,
+                *leaves]
 
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate for the next steps (no retracing: lr is a graph input).

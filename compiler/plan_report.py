@@ -1,0 +1,185 @@
+"""The whole plan of one compiled step, as users read it: schedule, memory, communication, time.
+
+A `Plan` bundles three frozen objects computed from the same graph: the
+`Schedule`, the `MemoryPlan` and the predicted `Timeline`. It renders as the
+report that ``shardlang plan`` prints (`Plan.report`) and serialises to the
+JSON that ``shardlang plan --json`` writes and ``shardlang diff`` reads.
+
+The communication check compares the schedule's bytes with formulas computed
+from the flat parameters alone (docs/schedule.md, "The formulas"): per rank per
+step, with M the padded bytes of the sharded parameters,
+
+    all_gather      = M + R      R: the re-gathered units (M at most; 0 without resharding)
+    reduce_scatter  = M_trainable
+    all_reduce      = replicated trainable parameters + BatchNorm statistics
+
+and the wire total with the textbook ``3(N-1)/N * M`` of full sharding.
+
+Example::
+
+    plan = make_plan(compiled)                       # defaults: gloo on loopback, this CPU
+    print(plan.report())
+    plan.memory.peak, plan.timeline.step_time_s
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import torch.fx as fx
+
+from .cost import CostModel, Timeline
+from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
+from .schedule import OpKind, Schedule
+from .schedule_format import _detail, _unit, human_bytes
+from .trace import GraphInput
+
+
+@attrs.frozen
+class Plan:
+    """A compiled step's schedule, memory plan and predicted timeline, all from one graph."""
+
+    schedule: Schedule
+    memory: MemoryPlan
+    timeline: Timeline
+
+    def to_dict(self) -> dict:
+        """The schedule's JSON object plus ``memory``, ``timeline`` and ``communication`` (see docs/plan.md)."""
+        timeline = self.timeline.to_dict()
+        timeline.pop("spans")
+        timeline["ops"] = [{"index": i, "start_s": s, "end_s": e}
+                           for i, (s, e) in enumerate(zip(self.timeline.op_start_s, self.timeline.op_end_s))]
+        return self.schedule.to_dict() | {
+            "memory": self.memory.to_dict(),
+            "timeline": timeline,
+            "communication": [row.to_dict() for row in communication_check(self.schedule)],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    def report(self, max_rows: int | None = None) -> str:
+        """Summary, communication against the formulas, memory peak, predicted time, then the table."""
+        return "\n\n".join([
+            self.schedule.summary_text(),
+            format_communication(self.schedule),
+            self.memory.summary_text(),
+            self.timeline.summary_text(),
+            format_plan_table(self, max_rows=max_rows),
+        ])
+
+
+def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, schedule: Schedule | None = None,
+              inputs: tuple[GraphInput, ...] | None = None, cost_model: CostModel | None = None,
+              scratch: dict[str, float] | None = None) -> Plan:
+    """The `Plan` of a `CompiledStep` (or of a graph, its schedule and its input signature).
+
+    ``cost_model`` defaults to `CostModel()` (gloo on loopback, CPU); the
+    memory plan's collective scratch follows its link's backend unless
+    ``scratch`` is given (Note [collective scratch] in `compiler.memory`).
+    """
+    if compiled is not None:
+        graph_module, schedule, inputs = compiled.graph_module, compiled.schedule, compiled.context.inputs
+    cost_model = cost_model or CostModel()
+    if scratch is None:
+        scratch = gloo_scratch if cost_model.link.backend == "gloo" else NO_SCRATCH
+    memory = plan_memory(graph_module, schedule, inputs, scratch=scratch)
+    return Plan(schedule, memory, cost_model.predict(schedule, graph_module))
+
+
+# ---- communication against the formulas ----------------------------------------
+
+
+@attrs.frozen
+class CommunicationRow:
+    """One collective kind: the schedule's payload bytes per rank and the formula's."""
+
+    kind: str
+    planned: int
+    formula: int
+    expression: str
+
+    @property
+    def matches(self) -> bool:
+        return self.planned == self.formula
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self) | {"matches": self.matches}
+
+
+def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
+    """Each collective kind's planned payload against its formula from the flat parameters (module docstring)."""
+    flats = {f.name: f for f in schedule.flats}
+    sharded = [f for f in schedule.flats if f.sharded]
+    m = sum(f.padded_bytes for f in sharded)
+    m_trainable = sum(f.padded_bytes for f in sharded if f.trainable)
+    regathered = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail]
+    r = sum(flats[name].padded_bytes for name in regathered if name in flats)
+    replicated = sum(f.numel * f.element_size for f in schedule.flats if not f.sharded and f.trainable)
+    stats = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
+    planned = schedule.summary.bytes_per_rank
+    return (
+        CommunicationRow("all_gather", planned["all_gather"], m + r,
+                         f"M + R = {human_bytes(m)} + {human_bytes(r)} (re-gathered: {len(regathered)} units)"),
+        CommunicationRow("reduce_scatter", planned["reduce_scatter"], m_trainable,
+                         f"M_trainable = {human_bytes(m_trainable)}"),
+        CommunicationRow("all_reduce", planned["all_reduce"], replicated + stats,
+                         f"replicated {human_bytes(replicated)} + BatchNorm statistics {human_bytes(stats)}"),
+    )
+
+
+def format_communication(schedule: Schedule) -> str:
+    """The communication check as text, with the wire total against ``3(N-1)/N * M``."""
+    n = schedule.world_size
+    lines = [f"{'communication':<16}{'planned/rank':>14}{'formula':>14}  check"]
+    for row in communication_check(schedule):
+        verdict = "= " if row.matches else f"differs by {human_bytes(row.planned - row.formula)}: "
+        lines.append(f"{row.kind:<16}{human_bytes(row.planned):>14}{human_bytes(row.formula):>14}  "
+                     f"{verdict}{row.expression}")
+    m = sum(f.padded_bytes for f in schedule.flats if f.sharded)
+    wire = sum(schedule.summary.wire_bytes_per_rank.values())
+    textbook = 3 * (n - 1) / n * m if n > 1 else 0
+    lines.append(f"on the wire per rank: {human_bytes(wire)}; full sharding's textbook 3(N-1)/N*M = "
+                 f"{human_bytes(textbook)}")
+    return "\n".join(lines)
+
+
+# ---- the table -------------------------------------------------------------------
+
+
+def format_plan_table(plan: Plan, max_rows: int | None = None) -> str:
+    """The schedule table with each op's memory (live after it, peak during it) and predicted start and length."""
+    header = ("#", "phase", "op", "unit", "bytes", "live after", "peak in op", "start ms", "ms", "detail")
+    rows = [header]
+    tl = plan.timeline
+    memory = {m.index: m for m in plan.memory.ops}
+    durations = _op_durations(plan)
+    for op in plan.schedule.ops:
+        mem = memory.get(op.index)
+        peak_mark = " *" if plan.memory.peak_op == op.index else ""
+        rows.append((
+            str(op.index), op.phase, op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
+            human_bytes(mem.live_after) if mem else "", (human_bytes(mem.peak) + peak_mark) if mem else "",
+            f"{tl.op_start_s[op.index] * 1e3:.3f}", f"{durations[op.index] * 1e3:.3f}" if durations[op.index] else "",
+            _detail(op),
+        ))
+    if max_rows is not None and len(rows) > max_rows + 1:
+        keep = max_rows // 2
+        rows = rows[: keep + 1] + [("...", "", f"({len(rows) - 1 - 2 * keep} more ops)") + ("",) * 7] + rows[-keep:]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {4, 5, 6, 7, 8}
+    lines = ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             .rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("(* the op with the step's memory peak; a collective's ms is its time on the link, a wait's the "
+                 "time it blocks)")
+    return "\n".join(lines)
+
+
+def _op_durations(plan: Plan) -> list[float]:
+    durations = [0.0] * len(plan.schedule.ops)
+    for span in plan.timeline.spans:
+        durations[span.op] = span.duration_s
+    return durations
+
