@@ -109,24 +109,28 @@ class CommunicationRow:
 
 
 def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
-    """Each collective kind's planned payload against its formula from the flat parameters (module docstring)."""
+    """Each collective kind's planned payload against the strategies' formulas (`compiler.formulas`)."""
+    from .formulas import REGATHER_DETAIL, formula_bytes
+
+    formula = formula_bytes(schedule)
+    planned = schedule.summary.bytes_per_rank
     flats = {f.name: f for f in schedule.flats}
-    sharded = [f for f in schedule.flats if f.sharded]
+    sharded = [f for f in schedule.flats if f.sharded and getattr(f, "strategy", "zero3") != "ddp"]
     m = sum(f.padded_bytes for f in sharded)
     m_trainable = sum(f.padded_bytes for f in sharded if f.trainable)
-    regathered = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail]
+    regathered = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL]
     r = sum(flats[name].padded_bytes for name in regathered if name in flats)
-    replicated = sum(f.numel * f.element_size for f in schedule.flats if not f.sharded and f.trainable)
-    stats = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
-    planned = schedule.summary.bytes_per_rank
-    return (
-        CommunicationRow("all_gather", planned["all_gather"], m + r,
-                         f"M + R = {human_bytes(m)} + {human_bytes(r)} (re-gathered: {len(regathered)} units)"),
-        CommunicationRow("reduce_scatter", planned["reduce_scatter"], m_trainable,
-                         f"M_trainable = {human_bytes(m_trainable)}"),
-        CommunicationRow("all_reduce", planned["all_reduce"], replicated + stats,
-                         f"replicated {human_bytes(replicated)} + BatchNorm statistics {human_bytes(stats)}"),
-    )
+    replicated = sum(f.numel * f.element_size for f in schedule.flats if f not in sharded and f.trainable)
+    other = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
+    expressions = {
+        "all_gather": f"M + R = {human_bytes(m)} + {human_bytes(r)} ({len(regathered)} re-gathered for backward)",
+        "reduce_scatter": f"M_trainable = {human_bytes(m_trainable)}",
+        "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
+    }
+    if len({getattr(f, "strategy", "zero3") for f in schedule.flats}) > 1 or any(
+            getattr(f, "strategy", "zero3") != "zero3" for f in schedule.flats):
+        expressions = {k: "per flat parameter by its strategy (docs/strategies.md)" for k in expressions}
+    return tuple(CommunicationRow(k, planned[k], formula[k], expressions[k]) for k in planned)
 
 
 def format_communication(schedule: Schedule) -> str:

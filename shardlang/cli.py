@@ -1,10 +1,17 @@
 """The command line: ``shardlang run | plan | check`` on a job file (see `shardlang.job`).
 
-- ``shardlang run FILE --nproc N``: train on N local CPU ranks (gloo), or on the
-  ranks torchrun started (when WORLD_SIZE is set); rank 0 prints the global loss
-  of each step, then the schedule's summary and table.
-- ``shardlang plan FILE --world N [--json]``: compile for N ranks with fake
-  tensors, no processes; print the schedule, or one JSON object (`Schedule.to_dict`).
+- ``shardlang run FILE --nproc N [--trace PATH]``: train on N local CPU ranks
+  (gloo), or on the ranks torchrun started (when WORLD_SIZE is set); rank 0
+  prints the global loss of each step, then the schedule's summary and table;
+  with ``--trace``, the last steps are profiled into a Chrome trace whose ranges
+  carry the schedule's op names (`shardlang.profile`).
+- ``shardlang plan FILE --world N [--json] [--chrome-trace PATH] [--plot PNG]``:
+  compile for N ranks with fake tensors, no processes; print the plan (schedule,
+  memory per op and its peak, communication against the formulas, predicted
+  time), or one JSON object (`Plan.to_dict`); write the predicted timeline as a
+  Chrome trace, or memory over the schedule as a picture.
+- ``shardlang diff A B``: compare two plans (job files planned here, or saved
+  ``plan --json`` files): what moved, the bytes, the peak, the predicted time.
 - ``shardlang check FILE --world-sizes 1,2,4``: train sharded at each world size
   and once in one process with ``torch.optim`` on the same global batches;
   compare the parameters; exit 1 when a world size is outside the tolerance.
@@ -28,11 +35,13 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from . import api
 from .batch import split_batch
+from .compiler import cost
 from .compiler.optim import Adam
 from .errors import ShardlangError, ShardlangRuntimeError, SpecError
 from .job import Job, build, global_batch, load_job, reference_optimizer
@@ -40,6 +49,7 @@ from .runtime.dist import DistContext, init_from_env, read_env, shutdown
 from .runtime.launcher import FailureKind, WorkerError, launch
 
 DEFAULT_RUN_STEPS = 5
+TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
 DEFAULT_CHECK_STEPS = 3
 TABLE_ROWS = 40  # `run` keeps its summary to one screen
 
@@ -145,14 +155,36 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", metavar="K", type=_positive("a number of steps"), default=DEFAULT_RUN_STEPS,
                      help=f"training steps (default {DEFAULT_RUN_STEPS})")
     run.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
+    run.add_argument("--trace", metavar="PATH", default=None,
+                     help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
+                          "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
     run.set_defaults(command=_cmd_run)
 
     plan = verbs.add_parser("plan", help="print the schedule for N ranks without starting any process",
                             description="Compile FILE's job for N ranks with fake tensors and print its schedule.")
     plan.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     plan.add_argument("--world", metavar="N", type=_positive("a world size"), required=True, help="world size")
-    plan.add_argument("--json", action="store_true", help="print the schedule as one JSON object (only that)")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object (only that)")
+    plan.add_argument("--chrome-trace", metavar="PATH", default=None,
+                      help="write the predicted timeline (compute, all-gather, reduce-scatter lanes, memory counter) "
+                           "as a Chrome/Perfetto trace")
+    plan.add_argument("--plot", metavar="PNG", default=None,
+                      help="draw memory over the schedule, gathers and frees marked (needs matplotlib)")
+    _add_model_arguments(plan)
     plan.set_defaults(command=_cmd_plan)
+
+    diff = verbs.add_parser("diff", help="compare two plans: what moved, the bytes, the peak, the time",
+                            description="Compare plans A and B. Each is a job file (planned here for --world "
+                                        "ranks) or a JSON file written by 'shardlang plan --json'.")
+    diff.add_argument("a", metavar="A", help="job file (.py) or plan JSON")
+    diff.add_argument("b", metavar="B", help="job file (.py) or plan JSON")
+    diff.add_argument("--world", metavar="N", type=_positive("a world size"), default=None,
+                      help="world size to plan job files for (required for a job file)")
+    diff.add_argument("--world-b", metavar="M", type=_positive("a world size"), default=None,
+                      help="world size for B when it differs from A's")
+    diff.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    _add_model_arguments(diff)
+    diff.set_defaults(command=_cmd_diff)
 
     check = verbs.add_parser("check", help="compare sharded training with one-process torch.optim training",
                              description="Train FILE's job sharded at each world size and in one process with "
@@ -168,6 +200,53 @@ def _parser() -> argparse.ArgumentParser:
                        help="convert the model and floating batch leaves (default: the job's dtype, else as built)")
     check.set_defaults(command=_cmd_check)
     return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cost model's knobs (docs/plan.md, "The knobs")."""
+    group = parser.add_argument_group("cost model")
+    group.add_argument("--link", choices=sorted(cost.LINKS), default="gloo-loopback",
+                       help="link preset for the alpha-beta model (default gloo-loopback)")
+    group.add_argument("--compute", choices=sorted(cost.COMPUTE), default="cpu",
+                       help="compute preset for the roofline (default cpu)")
+    group.add_argument("--alpha", metavar="SECONDS", type=_nonnegative_float("a latency"), default=None,
+                       help="latency of one ring step, overriding the link's")
+    group.add_argument("--bandwidth", metavar="BYTES_PER_S", type=_positive_float("a bandwidth"), default=None,
+                       help="bytes per second a rank sends, overriding the link's (e.g. 40e9)")
+    group.add_argument("--flops", metavar="FLOPS_PER_S", type=_positive_float("a FLOP rate"), default=None,
+                       help="matmul rate, overriding the compute preset's (e.g. 400e12)")
+
+
+def _cost_model(args) -> cost.CostModel:
+    link, device = cost.LINKS[args.link], cost.COMPUTE[args.compute]
+    if args.alpha is not None:
+        link = attrs.evolve(link, alpha_s=args.alpha)
+    if args.bandwidth is not None:
+        link = attrs.evolve(link, bandwidth=args.bandwidth)
+    if args.flops is not None:
+        device = attrs.evolve(device, flops_per_s=args.flops)
+    return cost.CostModel(link=link, compute=device)
+
+
+def _float_parser(what: str, ok, expected: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; expected {expected}")
+        return value
+
+    return parse
+
+
+def _positive_float(what: str):
+    return _float_parser(what, lambda v: v > 0 and v != float("inf"), "a number > 0, e.g. 40e9")
+
+
+def _nonnegative_float(what: str):
+    return _float_parser(what, lambda v: v >= 0 and v != float("inf"), "a number >= 0 in seconds, e.g. 5e-6")
 
 
 def _positive(what: str):
@@ -208,27 +287,32 @@ def _cmd_run(args) -> int:
         job = _load_checked(args.file, world)
         ctx = init_from_env()
         try:
-            _train(ctx, job, args.steps, args.seed)
+            _train(ctx, job, args.steps, args.seed, args.trace)
         finally:
             shutdown()
         return 0
     nproc = args.nproc or 1
     job = _load_checked(args.file, nproc)
+    trace = str(Path(args.trace).resolve()) if args.trace else None
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed)
+        _train(DistContext.single(), job, args.steps, args.seed, trace)
     else:
-        launch(_run_rank, nproc, str(job.path), args.steps, args.seed,
+        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace,
                timeout=None, threads=_threads_per_rank(nproc), prefix_output=False)
     return 0
 
 
-def _run_rank(ctx: DistContext, path: str, steps: int, seed: int) -> None:
+def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed)
+    _train(ctx, load_job(path), steps, seed, trace)
 
 
-def _train(ctx: DistContext, job: Job, steps: int, seed: int) -> None:
-    """Compile and train ``steps`` steps on this rank; rank 0 prints the global losses and the schedule."""
+def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None) -> None:
+    """Compile and train ``steps`` steps on this rank; rank 0 prints the global losses and the schedule.
+
+    With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
+    profiler and each rank writes its Chrome trace (`shardlang.profile`).
+    """
     say = _printer(ctx)
     backend = ctx.backend.value if ctx.backend else "no process group"
     say(f"shardlang run {_shown(job.path)}: {ctx.world_size} rank{'s' if ctx.world_size > 1 else ''} "
@@ -240,15 +324,28 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int) -> None:
     del model  # the step holds this rank's shards
     say(f"compiled in {time.perf_counter() - started:.2f} s")
     training = time.perf_counter()
+    traced_from = max(1, steps - TRACED_STEPS) if trace else steps
+    tracing = contextlib.ExitStack()
+    run_step = step
     for k in range(steps):
+        if k == traced_from and trace:
+            from .profile import rank_path, trace_steps
+
+            run_step = tracing.enter_context(trace_steps(step, rank_path(trace, ctx.rank)))
         batch = _split(job, global_batch(job, k), ctx.world_size, ctx.rank, k)
         begin = time.perf_counter()
-        loss = step(batch)
+        loss = run_step(batch)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - begin
-        say(f"step {k + 1}/{steps}  loss {_global_mean(loss, ctx):.6f}  time {elapsed * 1e3:.1f} ms")
+        say(f"step {k + 1}/{steps}  loss {_global_mean(loss, ctx):.6f}  time {elapsed * 1e3:.1f} ms"
+            + ("  (profiled)" if run_step is not step else ""))
+    tracing.close()
     say(f"trained {steps} steps in {time.perf_counter() - training:.2f} s\n")
+    if trace and traced_from < steps:
+        say(f"measured trace of steps {traced_from + 1}-{steps}: {trace}"
+            + (f" (ranks 1-{ctx.world_size - 1}: {_shown(rank_path(trace, 1))} ...)" if ctx.world_size > 1 else "")
+            + "\n")
     say(step.schedule.summary_text() + "\n")
     say(step.schedule.table(max_rows=TABLE_ROWS))
 
@@ -270,20 +367,85 @@ def _cmd_plan(args) -> int:
     stdout = sys.stdout
     # With --json, stdout carries the JSON object only: whatever the job file prints goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    model = _cost_model(args)
     with quiet:
-        job = load_job(args.file)
-        example = _split(job, global_batch(job, 0), args.world, 0, 0)
-        compiled = api.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
-                            example_batch=example, world_size=args.world)
-    schedule = compiled.schedule
+        job, plan = _plan_job(args.file, args.world, model)
+        _write_pictures(args, plan)
     if args.json:
-        stdout.write(schedule.to_json(indent=2) + "\n")
+        stdout.write(plan.to_json(indent=2) + "\n")
         stdout.flush()
         return 0
     print(f"shardlang plan {_shown(job.path)}: world {args.world}, optimizer {job.optimizer!r}\n")
-    print(schedule.summary_text() + "\n")
-    print(schedule.table())
+    print(plan.report())
     return 0
+
+
+def _plan_job(path, world: int, model: cost.CostModel):
+    """Plan a job file for ``world`` ranks with fake tensors: (job, `Plan`)."""
+    from .compiler.plan_report import make_plan
+
+    job = load_job(path)
+    example = _split(job, global_batch(job, 0), world, 0, 0)
+    compiled = api.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
+                        example_batch=example, world_size=world)
+    return job, make_plan(compiled, cost_model=model)
+
+
+def _write_pictures(args, plan) -> None:
+    if args.chrome_trace:
+        from .compiler.timeline import write_chrome_trace
+
+        write_chrome_trace(args.chrome_trace, plan.schedule, plan.timeline, plan.memory)
+        print(f"wrote the predicted timeline to {args.chrome_trace} (open it in ui.perfetto.dev)", file=sys.stderr)
+    if args.plot:
+        from .plot import plot_memory
+
+        plot_memory(plan, args.plot)
+        print(f"wrote memory over the schedule to {args.plot}", file=sys.stderr)
+
+
+# ---- diff --------------------------------------------------------------------
+
+
+def _cmd_diff(args) -> int:
+    from .compiler.plan_diff import diff_plans
+
+    stdout = sys.stdout
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    model = _cost_model(args)
+    with quiet:
+        a, label_a = _plan_source(args.a, args.world, model, "--world")
+        b, label_b = _plan_source(args.b, args.world_b or args.world, model, "--world (or --world-b)")
+    comparison = diff_plans(a, b, labels=(label_a, label_b))
+    if args.json:
+        stdout.write(comparison.to_json(indent=2) + "\n")
+        stdout.flush()
+    else:
+        print(comparison.text())
+    return 0
+
+
+def _plan_source(source: str, world: int | None, model: cost.CostModel, flag: str):
+    """A plan to compare: a saved ``plan --json`` file, or a job file planned for ``world`` ranks."""
+    import json
+
+    path = Path(source)
+    if path.suffix == ".json":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise SpecError(f"plan file {source} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{source} is not a plan JSON file (write one with 'shardlang plan FILE --world N "
+                            f"--json > {path.name}'): {exc}") from None
+        if not isinstance(data, dict) or "ops" not in data or "world_size" not in data:
+            raise SpecError(f"{source} is JSON but not a plan; write one with 'shardlang plan FILE --world N --json'")
+        return data, f"{_shown(path)} (world {data['world_size']})"
+    if world is None:
+        raise SpecError(f"{source} is a job file: give {flag} N to plan it")
+    _, plan = _plan_job(source, world, model)
+    return plan, f"{_shown(path.resolve())} (world {world})"
 
 
 # ---- check -------------------------------------------------------------------
