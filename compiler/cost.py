@@ -108,13 +108,13 @@ class ComputeModel:
 
 # The presets. docs/plan.md ("The knobs") gives the sources and measurements behind every number.
 LINKS: dict[str, LinkModel] = {
-    "gloo-loopback": LinkModel("gloo-loopback", alpha_s=150e-6, bandwidth=1.0e9, backend="gloo",
+    "gloo-loopback": LinkModel("gloo-loopback", alpha_s=155e-6, bandwidth=1.0e9, backend="gloo",
                                reduce_scatter_as_all_reduce=True),
     "nvlink": LinkModel("nvlink", alpha_s=3e-6, bandwidth=360e9, backend="nccl"),
     "infiniband": LinkModel("infiniband", alpha_s=8e-6, bandwidth=40e9, backend="nccl"),
 }
 COMPUTE: dict[str, ComputeModel] = {
-    "cpu": ComputeModel("cpu", flops_per_s=50e9, bytes_per_s=10e9, op_overhead_s=8e-6, view_overhead_s=3e-6),
+    "cpu": ComputeModel("cpu", flops_per_s=95e9, bytes_per_s=90e9, op_overhead_s=13e-6, view_overhead_s=0.7e-6),
     "a100-bf16": ComputeModel("a100-bf16", flops_per_s=150e12, bytes_per_s=1.6e12, op_overhead_s=10e-6,
                               view_overhead_s=3e-6),
     "h100-bf16": ComputeModel("h100-bf16", flops_per_s=400e12, bytes_per_s=2.6e12, op_overhead_s=10e-6,

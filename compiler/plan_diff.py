@@ -27,8 +27,10 @@ import os
 
 import attrs
 
+from .memory import Category
 from .schedule_format import human_bytes
 
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _MATCHED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "wait", "free", "optimizer")
 
 
@@ -88,11 +90,11 @@ class PlanDiff:
     def text(self, max_listed: int = 20) -> str:
         """A readable comparison: totals side by side, then the ops that moved, appeared or went away."""
         a, b = self.labels
-        width = max(len(a), len(b), 12)
-        lines = [f"A: {a}", f"B: {b}", "", f"{'':<26}{'A':>{width}}  {'B':>{width}}  {'B - A':>12}"]
+        width = 14
+        lines = [f"A: {a}", f"B: {b}", "", f"{'':<30}{'A':>{width}}  {'B':>{width}}  {'B - A':>12}"]
 
         def row(name, va, vb, fmt):
-            lines.append(f"{name:<26}{fmt(va):>{width}}  {fmt(vb):>{width}}  {_signed(vb - va, fmt):>12}")
+            lines.append(f"{name:<30}{fmt(va):>{width}}  {fmt(vb):>{width}}  {_signed(vb - va, fmt):>12}")
 
         row("world size", *self.world_sizes, str)
         row("ops", *self.op_counts, str)
@@ -188,15 +190,16 @@ def diff_plans(a, b, labels: tuple[str, str] = ("A", "B")) -> PlanDiff:
             added.append(OpChange(key, None, op["index"], 0, op.get("bytes", 0)))
     ma, mb = pa.get("memory", {}), pb.get("memory", {})
     ta, tb = pa.get("timeline", {}), pb.get("timeline", {})
-    categories = list(dict.fromkeys([*ma.get("breakdown", {}), *mb.get("breakdown", {})]))
+    known = [c.value for c in Category]
+    categories = sorted(set(ma.get("breakdown", {})) | set(mb.get("breakdown", {})),
+                        key=lambda c: (known.index(c) if c in known else len(known), c))
     return PlanDiff(
         labels=labels,
         world_sizes=(pa["world_size"], pb["world_size"]),
         op_counts=(len(pa["ops"]), len(pb["ops"])),
         moved=tuple(moved), added=tuple(added), removed=tuple(removed), resized=tuple(resized),
-        collectives={k: (pa["collectives"].get(k, 0), pb["collectives"].get(k, 0)) for k in pa["collectives"]},
-        bytes_per_rank={k: (pa["bytes_per_rank"].get(k, 0), pb["bytes_per_rank"].get(k, 0))
-                        for k in pa["bytes_per_rank"]},
+        collectives={k: (pa["collectives"].get(k, 0), pb["collectives"].get(k, 0)) for k in _KINDS},
+        bytes_per_rank={k: (pa["bytes_per_rank"].get(k, 0), pb["bytes_per_rank"].get(k, 0)) for k in _KINDS},
         peak=(ma.get("peak", 0), mb.get("peak", 0)),
         peak_where=(_peak_where(ma), _peak_where(mb)),
         breakdown={c: (ma.get("breakdown", {}).get(c, 0), mb.get("breakdown", {}).get(c, 0)) for c in categories},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from .compiler.memory import Category
 from .compiler.schedule import OpKind
@@ -98,12 +99,17 @@ def _shade_phases(ax, schedule, label_y: float) -> None:
             start = i
 
 
-def plot_trace(trace, path: str | os.PathLike, title: str | None = None, max_lanes: int = 12) -> None:
-    """Draw a Chrome trace's lanes (its "X" events per thread) and its ``memory total`` counter.
+def plot_trace(trace, path: str | os.PathLike, title: str | None = None, max_lanes: int = 12,
+               only: str | None = None) -> None:
+    r"""Draw a Chrome trace's lanes (its "X" events per thread) and its ``memory total`` counter.
 
     ``trace`` is a trace-event dict or the path of a JSON file: the predicted
     trace of ``shardlang plan --chrome-trace`` or a measured one of
-    ``shardlang run --trace``. Spans are coloured by category (their ``cat``).
+    ``shardlang run --trace``. Spans are coloured by kind: their ``cat``, or
+    the kind in a schedule op's name (``"7 compute"``), or gloo's range name
+    (``gloo:all_gather``). ``only``, a regular expression, keeps only the
+    spans whose names match it: ``r"^(\d+ |gloo:)"`` keeps a measured trace's
+    schedule ops and gloo's transfers and drops the aten ops inside them.
     """
     plt = _pyplot()
     if not isinstance(trace, dict):
@@ -112,9 +118,10 @@ def plot_trace(trace, path: str | os.PathLike, title: str | None = None, max_lan
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    keep = re.compile(only) if only else None
     spans: dict[tuple, list] = {}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e:
+        if e.get("ph") == "X" and "dur" in e and (keep is None or keep.search(e.get("name", ""))):
             spans.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     keys = set(spans) | (set(names) if len(names) <= max_lanes else set())
     lanes = sorted(keys, key=lambda k: (str(k[0]), _lane_order(names.get(k, str(k[1]))), str(k[1])))[:max_lanes]
@@ -130,7 +137,7 @@ def plot_trace(trace, path: str | os.PathLike, title: str | None = None, max_lan
     char_ms = _span_ms(spans, lanes, t0) / 170  # about how much time one character of a label covers
     for row, key in enumerate(lanes):
         for e in spans[key]:
-            colour = _LANE_COLOURS.get(e.get("cat", ""), "#999999")
+            colour = _LANE_COLOURS.get(_kind(e), "#999999")
             ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 0.5) / 1e3)], (row - 0.4, 0.8), color=colour,
                            edgecolor="white", linewidth=0.3)
             if e["dur"] / 1e3 > char_ms * (len(e["name"]) + 2):
@@ -156,6 +163,20 @@ def plot_trace(trace, path: str | os.PathLike, title: str | None = None, max_lan
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _kind(event: dict) -> str:
+    """What a span is: its ``cat`` when that is a kind, else read off its name."""
+    if event.get("cat") in _LANE_COLOURS:
+        return event["cat"]
+    name = event.get("name", "")
+    if name.startswith("gloo:"):
+        return {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}.get(
+            name[5:], "all_reduce")
+    words = name.split()
+    if len(words) > 1 and words[0].isdigit():
+        return words[1] if words[1] in _LANE_COLOURS else "compute"
+    return ""
 
 
 def _lane_order(name: str) -> int:
