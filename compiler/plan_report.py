@@ -127,8 +127,7 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
         "reduce_scatter": f"M_trainable = {human_bytes(m_trainable)}",
         "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
     }
-    if len({getattr(f, "strategy", "zero3") for f in schedule.flats}) > 1 or any(
-            getattr(f, "strategy", "zero3") != "zero3" for f in schedule.flats):
+    if not _plain_full_sharding(schedule):
         expressions = {k: "per flat parameter by its strategy (docs/strategies.md)" for k in expressions}
     return tuple(CommunicationRow(k, planned[k], formula[k], expressions[k]) for k in planned)
 
@@ -141,12 +140,19 @@ def format_communication(schedule: Schedule) -> str:
         verdict = "= " if row.matches else f"differs by {human_bytes(row.planned - row.formula)}: "
         lines.append(f"{row.kind:<16}{human_bytes(row.planned):>14}{human_bytes(row.formula):>14}  "
                      f"{verdict}{row.expression}")
-    m = sum(f.padded_bytes for f in schedule.flats if f.sharded)
     wire = sum(schedule.summary.wire_bytes_per_rank.values())
-    textbook = 3 * (n - 1) / n * m if n > 1 else 0
-    lines.append(f"on the wire per rank: {human_bytes(wire)}; full sharding's textbook 3(N-1)/N*M = "
-                 f"{human_bytes(textbook)}")
+    line = f"on the wire per rank: {human_bytes(wire)}"
+    if _plain_full_sharding(schedule):
+        m = sum(f.padded_bytes for f in schedule.flats if f.sharded)
+        line += f"; full sharding's textbook 3(N-1)/N*M = {human_bytes(3 * (n - 1) / n * m if n > 1 else 0)}"
+    lines.append(line)
     return "\n".join(lines)
+
+
+def _plain_full_sharding(schedule: Schedule) -> bool:
+    """Every flat parameter fully sharded (ZeRO-3) or replicated, on a 1-D mesh: the textbook's setting."""
+    return len(schedule.mesh) == 1 and all(getattr(f, "strategy", "zero3") == "zero3" or not f.sharded
+                                           for f in schedule.flats)
 
 
 # ---- the table -------------------------------------------------------------------

@@ -179,3 +179,20 @@ def test_run_trace_names_ranges_after_the_schedule(tmp_path, capsys):
     expected = {op_name(op) for op in plan.schedule.ops}
     assert expected <= names, sorted(expected - names)
     assert "step 0" in names
+
+
+@pytest.mark.parametrize("spec", [
+    sl.Spec(mesh=sl.Mesh(fsdp=-1), units=["blocks.*"],
+            strategies=[("blocks.0", sl.DDP), ("blocks.1", sl.ZeRO1), ("*", sl.ZeRO2)]),
+    sl.Spec(mesh=sl.Mesh(replicate=2, fsdp=2), units=["blocks.*"]),
+], ids=["mixed-strategies", "hybrid-2x2"])
+def test_plans_of_other_strategies_and_meshes(spec):
+    job = load_job(GPT)
+    batch = split_batch(global_batch(job, 0), 4, 0)
+    compiled = sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=batch,
+                       world_size=4)
+    plan = make_plan(compiled)
+    assert all(row.matches for row in communication_check(plan.schedule))
+    assert "textbook" not in plan.report()  # 3(N-1)/N*M is full sharding's number only
+    assert plan.memory.peak == sum(plan.memory.breakdown.values()) > plan.memory.persistent
+    assert plan.timeline.step_time_s == pytest.approx(plan.timeline.compute_s + plan.timeline.exposed_comm_s)
