@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .context import CompileContext
 from .errors import CompileError
+from .passes.accumulate_microbatches import accumulate_microbatches
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_parameters import gather_parameters
 from .passes.gather_updated_shards import gather_updated_shards
@@ -32,6 +33,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     reshard_after_forward,
     prefetch_gathers,
     reduce_gradients,
+    accumulate_microbatches,
     clip_gradients,
     gather_updated_shards,
     shard_optimizer,

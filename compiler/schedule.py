@@ -73,6 +73,7 @@ class ScheduleOp:
     detail: str = ""
     group: str | None = None  # a collective's group: a mesh axis, "*" (every rank), or axes joined by "+"
     group_size: int = 0  # the ranks in that group
+    microbatch: int | None = None  # with Options(microbatches=k > 1): the micro-batch the op belongs to, 0..k-1
     node_names: tuple[str, ...] = attrs.field(default=(), eq=False, repr=False)
 
     def to_dict(self) -> dict:
@@ -230,7 +231,8 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         mesh=ctx.mesh.axes,
         flats=tuple(_flat_summary(f) for f in ctx.flats),
         ops=tuple(builder.ops),
-        options={"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch},
+        options={"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch,
+                 **ctx.training.schedule_options()},
     )
 
 
@@ -258,8 +260,10 @@ class _Builder:
         self.handles: dict[fx.Node, int] = {}
         self.gathered: dict[fx.Node, str] = {}  # alias-closure node -> flat name
         self.segment: dict | None = None
+        self.microbatch: int | None = None  # of the node being visited
 
     def add(self, kind: OpKind, phase: str, **fields) -> None:
+        fields.setdefault("microbatch", self.microbatch)
         self.ops.append(ScheduleOp(index=len(self.ops), kind=kind, phase=phase, **fields))
 
     def unit_of(self, flat: str | None) -> str | None:
@@ -268,6 +272,10 @@ class _Builder:
     def visit(self, node: fx.Node) -> None:
         if node.op in ("placeholder", "output", "get_attr"):
             return
+        microbatch = tag_of(node, "microbatch")
+        if microbatch != self.microbatch:  # an op belongs to one micro-batch
+            self.close_segment()
+            self.microbatch = microbatch
         tag = sl_tag(node)
         kind, flat = tag.get("kind"), tag.get("flat")
         phase = (phase_of(node) or Phase.FORWARD).value

@@ -17,7 +17,7 @@ def format_table(schedule: Schedule, max_rows: int | None = None) -> str:
     """One row per op: index, phase, kind, unit, payload bytes and what it is."""
     rows = [("#", "phase", "op", "unit", "bytes", "detail")]
     for op in schedule.ops:
-        rows.append((str(op.index), op.phase, op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
+        rows.append((str(op.index), _phase(op), op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
                      _detail(op)))
     if max_rows is not None and len(rows) > max_rows + 1:
         keep = max_rows // 2
@@ -59,6 +59,11 @@ def _strategy_lines(schedule: Schedule) -> list[str]:
                      f"{human_bytes(row['all_gather']):>13}{human_bytes(row['reduce_scatter']):>16}"
                      f"{human_bytes(row['all_reduce']):>13}")
     return lines
+
+
+def _phase(op) -> str:
+    """The op's phase, and its micro-batch when there are several: ``forward[1]``."""
+    return op.phase if op.microbatch is None else f"{op.phase}[{op.microbatch}]"
 
 
 def _unit(unit: str | None) -> str:

@@ -41,8 +41,9 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .flat import FlatParam
 from .optim import GroupedOptimizer, hyper_tensors
+from .rng import GlobalDropout, check_random_ops
 from .sync_batch_norm import SyncBatchNorm
-from .training import Training
+from .training import Accumulation, RandomScheme, Training
 
 
 class InputRole(enum.Enum):
@@ -139,20 +140,27 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
         hyper_inputs = [torch.zeros((), dtype=torch.float64) for _ in hyper]
     example = [*flat_inputs, *state_inputs, step_input, *hyper_inputs]
     example += [_to_fake(fake_mode, t) for t in (*buffers.values(), *batch_leaves)]
+    _check_microbatches(batch_leaves, training.microbatches)
     step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper),
-                            data_parallel_size)
+                            data_parallel_size, training)
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(step_fn, tracing_mode="fake")(*example)
     except Exception as exc:  # surface the user's error with where it happened
         raise TraceError(f"tracing the training step failed: {type(exc).__name__}: {exc}") from exc
+    if training.random is RandomScheme.GLOBAL:
+        check_random_ops(gm)
+    _sum_gradients_early(gm)
     shapes = tuple((tuple(t.shape), t.dtype) for t in batch_leaves)
     return TracedStep(gm, inputs, batch_spec, shapes, optimizer)
 
 
-def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names, data_parallel_size):
+def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names, data_parallel_size,
+                  training: Training):
     n_flat = len(flats)
     n_state = sum(len(optimizer.state_names(f)) for f in flats if f.trainable)
+    micro = training.microbatches
+    keep = training.accumulation is Accumulation.KEEP
 
     def step_fn(*args):
         flat_in = args[:n_flat]
@@ -160,33 +168,40 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
         step = args[n_flat + n_state]
         rest = args[n_flat + n_state + 1 :]
         hyper = dict(zip(hyper_names, rest[: len(hyper_names)]))
-        buffers = dict(zip(buffer_names, rest[len(hyper_names) : len(hyper_names) + len(buffer_names)]))
+        buffers = {"model." + k: v for k, v in zip(buffer_names, rest[len(hyper_names):len(hyper_names) + len(buffer_names)])}
         batch = pytree.tree_unflatten(list(rest[len(hyper_names) + len(buffer_names) :]), batch_spec)
 
-        leaves, trainable = {}, []
-        for flat, tensor in zip(flats, flat_in):
-            start = 0
-            for m in flat.members:
-                with fx_traceback.annotate({"phase": Phase.FORWARD.value, "member": m.name}):
-                    leaf = tensor[start : start + m.info.numel].view(m.info.shape)
-                    if flat.param_dtype is not None:  # mixed precision: compute in param_dtype
-                        leaf = leaf.to(flat.param_dtype)
-                    leaf = leaf.detach()
-                    if flat.trainable:
-                        leaf.requires_grad_(True)
-                        trainable.append(leaf)
-                leaves["model." + m.name] = leaf
-                start += m.info.numel
-        named = {**leaves, **{"model." + k: v for k, v in buffers.items()}}
         compute_dtype = next((f.param_dtype for f in flats if f.param_dtype is not None), None)
         if compute_dtype is not None:  # mixed precision casts floating inputs, as FSDP2 does
             batch = pytree.tree_map(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, batch)
-        batch_norm = SyncBatchNorm("*", data_parallel_size) if data_parallel_size > 1 else contextlib.nullcontext()
-        with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}), batch_norm:
-            loss = torch.func.functional_call(loss_module, named, (batch,), tie_weights=True, strict=False)
-        _check_loss(loss)
-        with fx_traceback.annotate({"phase": Phase.BACKWARD.value}):
-            grads = list(torch.autograd.grad(loss, trainable, materialize_grads=True)) if trainable else []
+        modes = []
+        if data_parallel_size > 1:
+            modes.append(SyncBatchNorm("*", data_parallel_size))
+        if training.random is RandomScheme.GLOBAL:
+            modes.append(GlobalDropout(data_parallel_size))
+        grads, loss_sum = None, None
+        # Note [micro-batches]: KEEP traces all k micro-batches here, on one set of
+        # parameter leaves, summing their gradients; PER_MICROBATCH traces the
+        # first only, and `accumulate_microbatches` repeats it after the passes.
+        for i in range(micro if keep else 1):
+            with _annotate_microbatch(i, micro):
+                if grads is None:
+                    leaves, trainable = _parameter_leaves(flats, flat_in)
+                piece = _microbatch(batch, i, micro)
+                with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}), \
+                        contextlib.ExitStack() as stack:
+                    for mode in modes:
+                        stack.enter_context(mode)
+                    loss = torch.func.functional_call(loss_module, {**leaves, **buffers}, (piece,), tie_weights=True,
+                                                      strict=False)
+                    _check_loss(loss)
+                    if micro > 1:  # the mean over k micro-batches is the mean over the whole batch
+                        loss = loss / micro
+                with fx_traceback.annotate({"phase": Phase.BACKWARD.value}):
+                    mine = list(torch.autograd.grad(loss, trainable, materialize_grads=True)) if trainable else []
+                with fx_traceback.annotate({"phase": Phase.BACKWARD.value, "grad_sum": True}):
+                    grads = mine if grads is None else [a + g for a, g in zip(grads, mine)]
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         with torch.no_grad():
             for flat, tensor in zip(flats, flat_in):
                 if not flat.trainable:
@@ -199,10 +214,73 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
                     optimizer.update_(flat, tensor, grad, state, hyper, step)
             with fx_traceback.annotate({"phase": Phase.OPTIMIZER.value}):
                 step.add_(1)
-        master_dtype = flats[0].dtype if flats else loss.dtype
-        return loss.detach().to(master_dtype) if compute_dtype is not None else loss.detach()
+        master_dtype = flats[0].dtype if flats else loss_sum.dtype
+        return loss_sum.to(master_dtype) if compute_dtype is not None else loss_sum
 
     return step_fn
+
+
+def _sum_gradients_early(gm: torch.fx.GraphModule) -> None:
+    """KEEP accumulation: add each micro-batch gradient into the sum as soon as backward makes it.
+
+    autograd.grad returns every gradient at the end of a micro-batch's backward;
+    moving each sum right after its inputs lets `reduce_gradients` issue a flat
+    parameter's reduction while the last micro-batch's backward goes on.
+    """
+    order = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if tag_of(n, "grad_sum")]:
+        latest = max(node.all_input_nodes, key=order.__getitem__)
+        latest.append(node)
+        order[node] = order[latest] + 0.5
+    gm.recompile()
+
+
+def _parameter_leaves(flats, flat_in) -> tuple[dict, list]:
+    """Each parameter as a view of its flat input, detached into an autograd leaf (tagged ``member``)."""
+    leaves, trainable = {}, []
+    for flat, tensor in zip(flats, flat_in):
+        start = 0
+        for m in flat.members:
+            with fx_traceback.annotate({"phase": Phase.FORWARD.value, "member": m.name}):
+                leaf = tensor[start : start + m.info.numel].view(m.info.shape)
+                if flat.param_dtype is not None:  # mixed precision: compute in param_dtype
+                    leaf = leaf.to(flat.param_dtype)
+                leaf = leaf.detach()
+                if flat.trainable:
+                    leaf.requires_grad_(True)
+                    trainable.append(leaf)
+            leaves["model." + m.name] = leaf
+            start += m.info.numel
+    return leaves, trainable
+
+
+def _annotate_microbatch(i: int, micro: int):
+    return fx_traceback.annotate({"microbatch": i}) if micro > 1 else contextlib.nullcontext()
+
+
+def _microbatch(batch, i: int, micro: int):
+    """Rows ``[i*b, (i+1)*b)`` of every batch leaf (b = rows / micro); the slices are tagged ``microbatch_rows``."""
+    if micro == 1:
+        return batch
+
+    def rows(leaf):
+        b = leaf.shape[0] // micro
+        with fx_traceback.annotate({"phase": Phase.FORWARD.value, "microbatch_rows": b}):
+            return leaf[i * b : (i + 1) * b]
+
+    return pytree.tree_map(rows, batch)
+
+
+def _check_microbatches(batch_leaves, micro: int) -> None:
+    if micro == 1:
+        return
+    for index, leaf in enumerate(batch_leaves):
+        rows = leaf.shape[0] if leaf.dim() else 0
+        if rows % micro:
+            raise TraceError(
+                f"batch leaf {index} has {rows} rows per rank, which do not split into Options.microbatches="
+                f"{micro} equal micro-batches; make the per-rank batch a multiple of {micro} rows"
+            )
 
 
 def _check_loss(loss) -> None:

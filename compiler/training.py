@@ -84,6 +84,20 @@ class Training:
         """How many parameter groups there are, the default group 0 included."""
         return 1 + len(self.group_overrides)
 
+    def schedule_options(self) -> dict[str, object]:
+        """What the schedule's ``options`` show of these features (only what differs from the defaults)."""
+        shown: dict[str, object] = {}
+        if self.clip_grad_norm is not None:
+            shown["clip_grad_norm"] = self.clip_grad_norm
+        if self.microbatches > 1:
+            shown["microbatches"] = self.microbatches
+            shown["accumulation"] = self.accumulation.value
+        if self.group_overrides:
+            shown["param_groups"] = len(self.group_overrides)
+        if self.random is not RandomScheme.PER_RANK or self.seed:
+            shown["random"] = f"{self.random.value}, seed {self.seed}"
+        return shown
+
 
 def split_by_group(flats, training: Training):
     """Split every trainable flat parameter whose members fall in several parameter groups, one flat per group.

@@ -9,6 +9,8 @@ not fit on a rank; it is not done yet.)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,7 @@ from .compiler.optim import hyper_name, hyper_tensors, init_state
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError
 from .lr import LRSchedule
+from .random_state import StepRandom
 from .runtime.dist import DistContext
 from .runtime.groups import mesh_groups
 
@@ -53,6 +56,7 @@ class Step:
         self.step_count = torch.zeros((), dtype=torch.float64, device=device)
         self.hyper = {k: v.to(device) for k, v in hyper_tensors(compiled.traced.optimizer).items()}
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
+        self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, device)
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
         self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
@@ -64,7 +68,7 @@ class Step:
 
     def __call__(self, batch) -> torch.Tensor:
         inputs = self.graph_inputs(batch)
-        with torch.no_grad():  # the graph holds its own backward; autograd must not record it again
+        with torch.no_grad(), self.random or contextlib.nullcontext():  # the graph holds its own backward
             loss = self._graph(*inputs)
         if self.lr_schedule is not None:
             self.lr_schedule.advance()

@@ -61,18 +61,22 @@ def test_bad_max_norm_is_named(bad):
 
 # -- parameter groups ----------------------------------------------------------------------------
 
-GPT_GROUPS = [("*.bias", {"weight_decay": 0.0}), ("*ln*", {"weight_decay": 0.0, "lr": 3e-3})]
+# No weight decay for biases and the LayerNorm, and the LayerNorm with its own lr (prime's norm is replicated).
+GROUPS = [("*.bias", {"weight_decay": 0.0}), ("norm.*", {"weight_decay": 0.0, "lr": 3e-3})]
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_param_groups_match_torch_optim(run_on, world_size):
-    results = run_on(world_size, w.train, "gpt_tiny", "adamw", STEPS, None, GPT_GROUPS)
-    _, ref_params, _, _, ref_lrs = w.reference("gpt_tiny", "adamw", STEPS, None, GPT_GROUPS)
+    results = run_on(world_size, w.train, "prime", "adamw", STEPS, None, GROUPS, PRIME_RULES)
+    _, ref_params, _, _, ref_lrs = w.reference("prime", "adamw", STEPS, None, GROUPS)
     for rank, (_losses, params, _b, schedule, lrs) in enumerate(results):
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
         assert list(lrs[0].values()) == ref_lrs[0] == [1e-2, 1e-2, 3e-3]
-    names = [f["name"] for f in results[0][3]["flats"]]
-    assert "blocks.0#group1" in names and "blocks.0#group2" in names  # a group boundary splits a flat
+    flats = {f["name"]: list(f["members"]) for f in results[0][3]["flats"]}
+    # A group boundary splits a flat parameter: the root's biases leave it for <root>#group1.
+    assert flats["<root>#group1"] == ["fc1.bias", "fc2.bias"]
+    assert flats["<root>#replicated#group2"] == ["norm.weight"]
+    assert "norm.bias" in flats["<root>#replicated#group1"]
 
 
 def test_sgd_groups_with_and_without_momentum(run_on):
@@ -122,8 +126,7 @@ def test_param_groups_round_trip_through_toml(tmp_path):
 # -- learning-rate schedules ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("schedule", ["cosine", "warmup_cosine"])
+@pytest.mark.parametrize("schedule, world_size", [("warmup_cosine", 1), ("cosine", 2), ("warmup_cosine", 4)])
 def test_lr_schedule_matches_torch_scheduler(run_on, world_size, schedule):
     groups = [("fc3.*", {"lr": 0.2})]
     results = run_on(world_size, w.train, "mlp", "sgd_nesterov", STEPS, None, groups, None, schedule)
@@ -189,3 +192,144 @@ def test_frozen_parameters_get_no_optimizer_state():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == 2 * (2 * 16 + 16 * 2)  # two rank-2 adapters: 128 of 708 parameters
     assert sum(s.numel() for s in step.optimizer_state) == 2 * trainable  # AdamW: exp_avg and exp_avg_sq
+
+
+# -- gradient accumulation -----------------------------------------------------------------------
+
+ACCUMULATIONS = ["per_microbatch", "keep"]
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_accumulation_equals_one_big_batch(run_on, world_size, accumulation):
+    """k=2 micro-batches of b rows per rank, one optimizer step: one process on the whole batch of 2·b·N rows."""
+    options = {"microbatches": 2, "accumulation": accumulation}
+    case = "gpt_tiny" if world_size == 2 else "prime"  # attention and a tied head once; the rest on prime
+    results = run_on(world_size, w.train, case, "adamw", STEPS, options)
+    ref_losses, ref_params, _, _, _ = w.reference(case, "adamw", STEPS)
+    for rank, (_losses, params, _b, _s, _lrs) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+    for k in range(STEPS):  # each rank's loss is the mean over its micro-batches
+        assert sum(r[0][k] for r in results) / world_size == pytest.approx(ref_losses[k], rel=1e-12)
+
+
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_accumulation_with_clipping_and_groups(run_on, accumulation):
+    options = {"microbatches": 2, "accumulation": accumulation, "clip_grad_norm": 0.5}
+    groups = [("*.bias", {"weight_decay": 0.0})]
+    results = run_on(2, w.train, "prime", "adamw", STEPS, options, groups, PRIME_RULES)
+    _, ref_params, _, _, _ = w.reference("prime", "adamw", STEPS, options, groups)
+    assert parity.max_relative_difference(results[0][1], ref_params) < TOLERANCE
+
+
+def _plan(case_name: str, world: int, **options):
+    case = w.CASES[case_name]
+    spec = sl.Spec(sl.Mesh(fsdp=world), units=case.units, options=sl.Options(**options))
+    per_rank = sl.split_batch(case.make_batch(0), world, 0)
+    return sl.plan(case.builder, case.loss_fn, spec, optimizer=sl.AdamW(lr=1e-3), example_batch=per_rank,
+                   world_size=world, check_each_pass=True).schedule
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulation_collectives_and_bytes(world):
+    """per_microbatch: k times one micro-batch step's collectives; keep: one step's collectives, whatever k."""
+    k = 2
+    one = _plan("lora", world).summary
+    each = _plan("lora", world, microbatches=k)
+    keep = _plan("lora", world, microbatches=k, accumulation="keep")
+    for kind in ("all_gather", "reduce_scatter"):
+        assert each.summary.collectives[kind] == k * one.collectives[kind]
+        assert each.summary.bytes_per_rank[kind] == k * one.bytes_per_rank[kind]
+    # keep: each sharded flat gathered once (kept across micro-batches) and reduced once: M each.
+    sharded = sum(f.padded_bytes for f in keep.flats if f.sharded)
+    assert keep.summary.bytes_per_rank["all_gather"] == sharded
+    assert keep.summary.bytes_per_rank["reduce_scatter"] == sum(f.padded_bytes for f in keep.flats
+                                                                if f.sharded and f.trainable)
+    assert keep.options["microbatches"] == k and keep.options["accumulation"] == "keep"
+    reduced = [(op.flat, op.microbatch) for op in each.ops if op.kind is OpKind.REDUCE_SCATTER]
+    assert sorted(reduced) == [(f, m) for f in ("layers.0", "layers.1") for m in (0, 1)]  # frozen: never
+
+
+@pytest.mark.parametrize(
+    "options, error, named",
+    [
+        ({"microbatches": 0}, sl.SpecError, ["Options.microbatches is 0", ">= 1"]),
+        ({"microbatches": 2.0}, sl.SpecError, ["Options.microbatches is 2.0"]),
+        ({"accumulation": "sometimes"}, sl.SpecError, ["Options.accumulation is 'sometimes'", "'keep'"]),
+        ({"microbatches": 3}, sl.TraceError, ["batch leaf 0 has 4 rows per rank", "microbatches=3"]),
+    ],
+)
+def test_bad_accumulation_is_named(options, error, named):
+    with pytest.raises(error) as info:
+        _plan("mlp", 2, **options)
+    for part in named:
+        assert part in str(info.value)
+
+
+# -- dropout and random numbers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("scheme", ["global", "per_rank"])
+def test_dropout_masks_are_the_documented_ones(run_on, world_size, scheme):
+    """global: the masks one process seeded with `seed` draws for the whole batch; per_rank: rank r's rows
+    drawn from a generator seeded per_rank_seed(seed, r). Either way the result is exact, not statistical."""
+    options = {"random": scheme, "seed": 7}
+    results = run_on(world_size, w.train, "mlp_dropout", "adamw", STEPS, options)
+    _, ref_params, _, _, _ = w.reference("mlp_dropout", "adamw", STEPS, options, world_size=world_size)
+    for rank, (_losses, params, _b, _s, _lrs) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+def test_per_rank_masks_differ_between_ranks_and_from_global(run_on):
+    per_rank = run_on(2, w.train, "mlp_dropout", "adamw", 1, {"random": "per_rank", "seed": 7})
+    global_ = run_on(2, w.train, "mlp_dropout", "adamw", 1, {"random": "global", "seed": 7})
+    assert parity.max_relative_difference(per_rank[0][1], global_[0][1]) > 1e-3
+    # Without dropout the scheme does not matter: p=0 equals one process exactly.
+    plain = run_on(2, w.train, "mlp_dropout0", "adamw", STEPS, {"random": "per_rank"})
+    _, ref_params, _, _, _ = w.reference("mlp_dropout0", "adamw", STEPS)
+    assert parity.max_relative_difference(plain[0][1], ref_params) < TOLERANCE
+
+
+def test_step_draws_from_its_own_generator():
+    """The step's masks depend on Options.seed only, and the caller's generator is left where it was."""
+    case = w.CASES["mlp_dropout"]
+
+    def first_loss(seed: int, caller_seed: int) -> float:
+        torch.manual_seed(caller_seed)
+        step = sl.compile(case.build(torch.float64), case.loss_fn,
+                          sl.Spec(sl.Mesh(fsdp=1), options=sl.Options(seed=seed)), optimizer=sl.SGD(lr=0.1),
+                          example_batch=case.make_batch(0, torch.float64))
+        before = torch.get_rng_state()
+        loss = float(step(case.make_batch(0, torch.float64)))
+        assert torch.equal(torch.get_rng_state(), before)
+        return loss
+
+    assert first_loss(1, caller_seed=0) == first_loss(1, caller_seed=123)
+    assert first_loss(1, caller_seed=0) != first_loss(2, caller_seed=0)
+
+
+def test_global_random_refuses_other_random_ops():
+    case = w.CASES["mlp_noise"]
+    spec = sl.Spec(sl.Mesh(fsdp=2), options=sl.Options(random="global"))
+    with pytest.raises(sl.TraceError, match=r"random='global'.*randn.*random='per_rank'"):
+        sl.plan(case.builder, case.loss_fn, spec, example_batch=sl.split_batch(case.make_batch(0), 2, 0),
+                world_size=2)
+    with pytest.raises(sl.SpecError, match=r"Options.random is 'rank'.*'per_rank', 'global'"):
+        sl.Options(random="rank")
+
+
+# -- BatchNorm -----------------------------------------------------------------------------------
+
+
+def test_batchnorm_statistics_stay_replicated_with_the_training_features(run_on):
+    """BatchNorm's running statistics (replicated buffers, synchronised batch statistics) equal one process's
+    with clipping and a no-decay group for the norms on (test_parity covers N=1,2,4 without them)."""
+    options = {"clip_grad_norm": 1.0}
+    groups = [("*.bn.*", {"weight_decay": 0.0})]
+    results = run_on(4, w.train, "convnet_bn", "adamw", STEPS, options, groups)
+    _, ref_params, ref_buffers, _, _ = w.reference("convnet_bn", "adamw", STEPS, options, groups)
+    for rank, (_losses, params, buffers, _s, _lrs) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        for name, ref in ref_buffers.items():
+            assert parity.max_relative_difference({name: buffers[name].double()}, {name: ref.double()}) < TOLERANCE

@@ -9,12 +9,41 @@ A run is described by plain values (so it crosses to the worker processes):
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+import models
 import parity
 import shardlang as sl
-from models import CASES
 from shardlang.batch import split_batch
+from shardlang.compiler.training import per_rank_seed
 from shardlang.training import ParamGroup, assign_groups
+
+
+class DropoutMLP(nn.Module):
+    """16 -> 32 -> 32 -> 4 with tanh and dropout after each hidden layer."""
+
+    def __init__(self, p: float = 0.25) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.drop(torch.tanh(self.fc2(self.drop(torch.tanh(self.fc1(x)))))))
+
+
+class NoisyMLP(DropoutMLP):
+    """Gaussian noise on the input: a random op that is not F.dropout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + 0.01 * torch.randn_like(x))
+
+
+CASES = {
+    **models.CASES,
+    "mlp_dropout": models.Case("mlp_dropout", DropoutMLP, models.mse_loss, models.mlp_batch),
+    "mlp_dropout0": models.Case("mlp_dropout0", lambda: DropoutMLP(0.0), models.mse_loss, models.mlp_batch),
+    "mlp_noise": models.Case("mlp_noise", NoisyMLP, models.mse_loss, models.mlp_batch),
+}
 
 SCHEDULES = {
     "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)),
@@ -47,11 +76,21 @@ def train(ctx, case_name: str, optimizer: str, steps: int, options: dict | None 
 
 
 def reference(case_name: str, optimizer: str, steps: int, options: dict | None = None, groups=None,
-              schedule: str | None = None, dtype: str = "float64"):
-    """One process, torch.optim with the same param groups, clip_grad_norm_ and lr scheduler."""
+              schedule: str | None = None, dtype: str = "float64", world_size: int = 1):
+    """One process, torch.optim with the same param groups, clip_grad_norm_ and lr scheduler.
+
+    Random numbers: with ``options["random"] == "global"`` the global generator
+    is seeded with ``options["seed"]`` before the first step, as every rank's is;
+    with ``"per_rank"`` (and a model that draws), the loss is the mean over
+    ``world_size`` row blocks, block r drawing from its own generator seeded
+    ``per_rank_seed(seed, r)``: what N ranks compute.
+    """
     case, dt = CASES[case_name], parity.DTYPES[dtype]
     options = options or {}
     model = case.build(dt)
+    seed = options.get("seed", 0)
+    per_rank = options.get("random", "per_rank") == "per_rank"
+    states = [torch.Generator().manual_seed(per_rank_seed(seed, r)).get_state() for r in range(world_size)]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     param_groups = [ParamGroup(pattern, **overrides) for pattern, overrides in (groups or ())]
     group_of = assign_groups([(n, True) for n, _ in named], tuple(param_groups))
@@ -61,10 +100,19 @@ def reference(case_name: str, optimizer: str, steps: int, options: dict | None =
     opt = parity.OPTIMIZERS[optimizer][1](torch_groups)
     scheduler = SCHEDULES[schedule](opt) if schedule else None
     losses, norms, lrs = [], [], []
+    caller = torch.get_rng_state()
+    torch.manual_seed(seed)
     for k in range(steps):
         lrs.append([g["lr"] for g in opt.param_groups])
         opt.zero_grad()
-        loss = case.loss_fn(model, case.make_batch(k, dt))
+        if per_rank:
+            loss = 0
+            for r in range(world_size):
+                torch.set_rng_state(states[r])
+                loss = loss + case.loss_fn(model, split_batch(case.make_batch(k, dt), world_size, r)) / world_size
+                states[r] = torch.get_rng_state()
+        else:
+            loss = case.loss_fn(model, case.make_batch(k, dt))
         loss.backward()
         if options.get("clip_grad_norm") is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in named], options["clip_grad_norm"])))
@@ -72,6 +120,7 @@ def reference(case_name: str, optimizer: str, steps: int, options: dict | None =
         if scheduler is not None:
             scheduler.step()
         losses.append(float(loss.detach()))
+    torch.set_rng_state(caller)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, dict(model.named_buffers()), \
         norms, lrs
 

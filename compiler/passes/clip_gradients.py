@@ -36,10 +36,10 @@ import torch.fx as fx
 
 from .. import collectives
 from ..context import CompileContext
-from ..errors import CompileError
-from ..graph_utils import positions, sl_tag, tag
+from ..graph_utils import positions, tag
 from ..emit import WORLD_AXIS as WORLD
-from ..trace import Phase, phase_of
+from ..trace import Phase
+from ._order import is_update, move_after, optimizer_gradients
 
 _aten = torch.ops.aten
 #: torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
@@ -61,28 +61,18 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     clipped = {}
     with graph.inserting_before(coef.next):
         for flat, grad in grads.items():
-            readers = [u for u in grad.users if _is_update(u)]
+            readers = [u for u in grad.users if is_update(u)]
             scale = tag(graph.call_function(_aten._to_copy.default, (coef,), {"dtype": ctx.flat(flat).dtype}),
                         "clip", flat, Phase.OPTIMIZER)
             clipped[flat] = tag(graph.call_function(_aten.mul.Tensor, (grad, scale)), "clip", flat, Phase.OPTIMIZER)
             for reader in readers:
                 reader.replace_input_with(grad, clipped[flat])
     last = max(clipped.values(), key=positions(graph).__getitem__)
-    _move_updates_after(graph, last, set(clipped.values()))
+    move_after(graph, last, is_update, "gradient clipping")
     collectives.eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return gm
-
-
-def optimizer_gradients(graph: fx.Graph) -> dict[str, fx.Node]:
-    """The gradient each trainable flat parameter's update reads: its last node tagged "average"."""
-    grads: dict[str, fx.Node] = {}
-    for node in graph.nodes:
-        t = sl_tag(node)
-        if t.get("kind") == "average" and t.get("flat") is not None:
-            grads[t["flat"]] = node
-    return grads
 
 
 def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node], max_norm: float) -> fx.Node:
@@ -108,37 +98,3 @@ def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return tag(graph.call_function(target, args, kwargs), "clip", None, Phase.OPTIMIZER)
-
-
-def _is_update(node: fx.Node) -> bool:
-    return phase_of(node) is Phase.OPTIMIZER and not sl_tag(node)
-
-
-def _move_updates_after(graph: fx.Graph, point: fx.Node, grads: set[fx.Node]) -> None:
-    """Move every optimizer update before ``point``, and every node that depends on one, to just after it."""
-    order = positions(graph)
-    needed = _ancestors(grads | {point})
-    moved: set[fx.Node] = set()
-    for node in list(graph.nodes):
-        if order[node] >= order[point]:
-            break
-        if not (_is_update(node) or any(a in moved for a in node.all_input_nodes)):
-            continue
-        if node in needed:
-            raise CompileError(f"gradient clipping: {node.name} ({node.target}) is an optimizer update that a "
-                               "gradient depends on; the norm needs every gradient before any update")
-        moved.add(node)
-    anchor = point
-    for node in sorted(moved, key=order.__getitem__):
-        anchor.append(node)
-        anchor = node
-
-
-def _ancestors(nodes: set[fx.Node]) -> set[fx.Node]:
-    seen, stack = set(nodes), list(nodes)
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
-    return seen
