@@ -333,3 +333,22 @@ def test_batchnorm_statistics_stay_replicated_with_the_training_features(run_on)
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
         for name, ref in ref_buffers.items():
             assert parity.max_relative_difference({name: buffers[name].double()}, {name: ref.double()}) < TOLERANCE
+
+
+def test_memory_plan_shows_the_frozen_saving():
+    """Frozen parameters hold no optimizer state: the plan's persistent bytes drop by exactly their state."""
+    case = w.CASES["lora"]
+
+    def plan(build):
+        spec = sl.Spec(sl.Mesh(fsdp=2))
+        return sl.plan(build, case.loss_fn, spec, optimizer=sl.AdamW(lr=1e-3),
+                       example_batch=sl.split_batch(case.make_batch(0), 2, 0), world_size=2)
+
+    lora = plan(case.builder)
+    full = plan(lambda: case.builder().requires_grad_(True))
+    frozen_local = sum(f.local_numel * f.element_size for f in lora.schedule.flats if not f.trainable)
+    trainable_local = sum(f.local_numel * f.element_size for f in lora.schedule.flats if f.trainable)
+    scalars = 8 * 2  # the step count and the lr, float64
+    assert lora.memory.breakdown["optimizer_state"] == 2 * trainable_local + scalars  # AdamW: two states
+    assert full.memory.persistent - lora.memory.persistent == 2 * frozen_local
+    assert lora.memory.peak < full.memory.peak
