@@ -150,6 +150,13 @@ def test_a_mixed_spec_on_a_2x2_mesh_trains_like_one_process(run_on, references, 
           references("gpt_tiny", optimizer))
 
 
+@pytest.mark.parametrize("mesh", [{"replicate": 4, "fsdp": 1}, {"a": 2, "b": 1, "fsdp": 2}])
+def test_degenerate_and_three_axis_meshes_train_like_one_process(run_on, references, mesh):
+    """Shard groups of one rank (collectives there stay identities) and an all-reduce over two axes ("a+b")."""
+    spec = {"mesh": mesh, "strategies": [{"pattern": "*", "strategy": "zero1"}]}
+    check(run_on(4, w.train_with_spec, "prime", "adamw", spec, STEPS), references("prime", "adamw"))
+
+
 def test_batch_norm_on_a_2x2_mesh_is_synchronised_over_the_world(run_on, references):
     check(run_on(4, w.train_with_spec, "convnet_bn", "adamw", {"mesh": HYBRID}, STEPS),
           references("convnet_bn", "adamw"), buffers=True)

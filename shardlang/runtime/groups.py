@@ -14,9 +14,11 @@ keeps the groups it made for later steps (Note [group cache]).
 
 Note [group cache]: a step compiled twice, or two steps on the same mesh,
 reuse the subgroups made the first time instead of creating new ones (each
-gloo group holds sockets and threads). The cache is keyed by the world
-group's name, so a new default process group starts a new cache; every rank
-fills it in the same order because every rank compiles the same programs.
+gloo group holds sockets and threads). The cache belongs to one default
+process group: when the world group is another object (torch.distributed was
+shut down and initialised again; group names restart then), the cache starts
+afresh. Every rank fills it in the same order because every rank compiles the
+same programs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from shardlang.compiler.placement import WORLD, MeshShape
 
 __all__ = ["mesh_groups"]
 
-_CACHE: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+class _Cache:
+    """Subgroups by their ranks, for one world group (Note [group cache])."""
+
+    world: object = None
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def mesh_groups(mesh: MeshShape, keys, rank: int) -> dict[str, dist.ProcessGroup]:
@@ -45,16 +51,17 @@ def mesh_groups(mesh: MeshShape, keys, rank: int) -> dict[str, dist.ProcessGroup
             out[key] = world
             continue
         for ranks in mesh.groups(key):
-            group = _subgroup(world.group_name, ranks)
+            group = _subgroup(world, ranks)
             if rank in ranks:
                 out[key] = group
     return out
 
 
-def _subgroup(world_name: str, ranks: list[int]) -> dist.ProcessGroup:
-    cache_key = (world_name, tuple(ranks))
-    group = _CACHE.get(cache_key)
+def _subgroup(world: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
+    if _Cache.world is not world:
+        _Cache.world, _Cache.groups = world, {}
+    group = _Cache.groups.get(tuple(ranks))
     if group is None:
         group = dist.new_group(ranks)
-        _CACHE[cache_key] = group
+        _Cache.groups[tuple(ranks)] = group
     return group
