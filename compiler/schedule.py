@@ -183,7 +183,6 @@ class Schedule:
                 out[strategy_of[op.flat]][op.kind.value] += op.bytes
         return out
 
-
     def to_dict(self) -> dict:
         summary = self.summary
         return {
