@@ -104,8 +104,8 @@ def test_bad_knobs_are_one_line(capsys, argv, names):
 
 
 def test_chrome_trace_is_json_with_named_lanes(tmp_path, capsys):
-    path, png = tmp_path / "plan.json", tmp_path / "memory.png"
-    assert main(["plan", GPT, "--world", "2", "--chrome-trace", str(path), "--plot", str(png)]) == 0
+    path = tmp_path / "plan.json"
+    assert main(["plan", GPT, "--world", "2", "--chrome-trace", str(path)]) == 0
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -121,6 +121,12 @@ def test_chrome_trace_is_json_with_named_lanes(tmp_path, capsys):
     counters = [e for e in events if e["ph"] == "C"]
     assert {e["name"] for e in counters} == {"memory", "memory total"}
     assert max(e["args"]["bytes"] for e in counters if e["name"] == "memory total") == trace["otherData"]["peak_bytes"]
+
+
+def test_plot_flag_draws_memory_over_the_schedule(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the optional 'plot' extra
+    png = tmp_path / "memory.png"
+    assert main(["plan", MLP, "--world", "2", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
