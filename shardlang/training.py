@@ -66,7 +66,7 @@ def _check_nesterov(_inst, _attribute, value):
         raise SpecError(f"ParamGroup.nesterov is {value!r}; it must be True or False (or left out)")
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class ParamGroup:
     """Optimizer hyperparameters for the trainable parameters whose names match ``pattern``.
 
@@ -84,6 +84,10 @@ class ParamGroup:
     betas: tuple[float, float] | None = attrs.field(
         default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v, validator=_check_betas)
     eps: float | None = attrs.field(default=None, validator=_number_or_none("eps"))
+
+    def __repr__(self) -> str:
+        """The constructor call, with the hyperparameters it sets: ``ParamGroup('*.bias', weight_decay=0.0)``."""
+        return "ParamGroup(" + ", ".join([repr(self.pattern), *(f"{k}={v!r}" for k, v in self.overrides.items())]) + ")"
 
     @property
     def overrides(self) -> dict[str, object]:
