@@ -45,6 +45,7 @@ from .compiler import cost
 from .compiler.optim import Adam
 from .errors import ShardlangError, ShardlangRuntimeError, SpecError
 from .job import Job, build, global_batch, load_job, reference_optimizer
+from .training import torch_param_groups
 from .runtime.dist import DistContext, init_from_env, read_env, shutdown
 from .runtime.launcher import FailureKind, WorkerError, launch
 
@@ -320,7 +321,8 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
     started = time.perf_counter()
     model = build(job, seed)
     example = _split(job, global_batch(job, 0), ctx.world_size, ctx.rank, 0)
-    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx)
+    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
+                       lr_schedule=job.lr_schedule)
     del model  # the step holds this rank's shards
     say(f"compiled in {time.perf_counter() - started:.2f} s")
     training = time.perf_counter()
@@ -501,7 +503,8 @@ def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: 
     """Train on the given global batches; rank 0 returns (global losses, full parameters), others None."""
     model = build(job, seed, dtype)
     example = _split(job, batches[0], ctx.world_size, ctx.rank, 0)
-    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx)
+    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
+                       lr_schedule=job.lr_schedule)
     losses = [_global_mean(step(_split(job, b, ctx.world_size, ctx.rank, k)), ctx) for k, b in enumerate(batches)]
     params = {name: p.cpu() for name, p in step.full_parameters().items()}  # a collective: every rank calls it
     return (losses, params) if ctx.is_main else None
@@ -509,14 +512,23 @@ def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: 
 
 def _train_reference(job: Job, model: torch.nn.Module, batches: list):
     """One process, torch.optim, the whole global batch per step: (losses, parameters by name, optimizer name)."""
-    optimizer = reference_optimizer(job.optimizer, [p for p in model.parameters() if p.requires_grad])
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = reference_optimizer(job.optimizer, torch_param_groups(trainable, job.spec.param_groups))
+    clip = job.spec.options.clip_grad_norm
+    scheduler = job.lr_schedule(optimizer) if job.lr_schedule is not None else None
     losses = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = job.loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.spec.options.seed)  # what every rank's generator starts from under random="global"
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = job.loss_fn(model, batch)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for _, p in trainable], clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(float(loss.detach()))
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, type(optimizer).__name__
 
 

@@ -8,6 +8,7 @@ A job file defines these module-level names (docs/cli.md, "Job files")::
     spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))            # optional (this is the default)
     optimizer = sl.AdamW(lr=1e-3)                    # optional (this is the default)
     dtype = torch.float32                            # optional: convert the model and floating batch leaves
+    lr_schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)   # optional (docs/training.md)
 
 `load_job` imports the file under a module name of its own (so two job files
 with the same stem do not collide) and checks those names, and `build` and
@@ -90,6 +91,7 @@ class Job:
     spec: Spec = attrs.field(factory=default_spec)
     optimizer: SGD | Adam | AdamW = attrs.field(factory=default_optimizer)
     dtype: torch.dtype | None = None
+    lr_schedule: Callable | None = None  # torch optimizer -> LRScheduler (`shardlang.lr`)
 
 
 def load_job(path: str | Path) -> Job:
@@ -154,6 +156,8 @@ def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
 
 def reference_optimizer(opt: SGD | Adam | AdamW, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer with the semantics of shardlang's ``opt``, over ``params``.
+
+    ``params`` are parameters, or torch param-group dicts (`shardlang.training.torch_param_groups`).
 
     Used by ``shardlang check`` as the single-process reference.
 
@@ -235,7 +239,11 @@ def _job_from_module(module, file: Path, shown: str) -> Job:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise SpecError(f"job file {shown!r}: dtype is {dtype!r}; expected a floating torch.dtype, "
                         "e.g. dtype = torch.float32")
-    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype)
+    lr_schedule = getattr(module, "lr_schedule", None)
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise SpecError(f"job file {shown!r}: lr_schedule is {_short(lr_schedule)}, not a function; expected e.g. "
+                        "lr_schedule = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)")
+    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype, lr_schedule)
 
 
 def _check_function(value, name: str, nargs: int, form: str, shown: str) -> None:

@@ -33,7 +33,8 @@ from .compiler.optim import GROUP_KEYS
 from .compiler.training import Accumulation, RandomScheme, Training
 from .errors import SpecError
 
-__all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "training_of"]
+__all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "torch_param_groups",
+           "training_of"]
 
 
 def _number_or_none(name: str):
@@ -174,6 +175,22 @@ def assign_groups(params, groups: tuple[ParamGroup, ...]) -> dict[str, int]:
         raise SpecError(f"{where} matches no trainable parameter; patterns match whole parameter names, such as "
                         f"{_some(names)}")
     return group_of
+
+
+def torch_param_groups(named_params, groups: tuple[ParamGroup, ...]) -> list[dict]:
+    """``torch.optim`` param groups equal to shardlang's: the default group first, then one per `ParamGroup`.
+
+    ``named_params`` are the trainable ``(name, parameter)`` pairs. Used as the
+    single-process reference (``shardlang check``, the tests). Example::
+
+        torch.optim.AdamW(torch_param_groups(named, spec.param_groups), lr=1e-3, weight_decay=0.1)
+    """
+    named_params = list(named_params)
+    group_of = assign_groups([(n, True) for n, _ in named_params], tuple(groups))
+    torch_groups = [{"params": [p for n, p in named_params if group_of.get(n, 0) == 0]}]
+    torch_groups += [{"params": [p for n, p in named_params if group_of.get(n) == g], **group.overrides}
+                     for g, group in enumerate(groups, start=1)]
+    return torch_groups
 
 
 def training_of(resolved) -> Training:

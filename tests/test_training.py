@@ -352,3 +352,43 @@ def test_memory_plan_shows_the_frozen_saving():
     assert lora.memory.breakdown["optimizer_state"] == 2 * trainable_local + scalars  # AdamW: two states
     assert full.memory.persistent - lora.memory.persistent == 2 * frozen_local
     assert lora.memory.peak < full.memory.peak
+
+
+# -- job files: shardlang check uses the same features in its reference ---------------------------
+
+JOB = '''
+import torch
+import shardlang as sl
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2))
+
+def loss_fn(model, batch):
+    return (model(batch[0]) - batch[1]).pow(2).mean()
+
+def make_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+
+spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), param_groups=[sl.ParamGroup("*.bias", weight_decay=0.0)],
+               options=sl.Options(clip_grad_norm=0.1, microbatches=2, random="global", seed=5))
+optimizer = sl.AdamW(lr=1e-2, weight_decay=0.1)
+lr_schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+'''
+
+
+def test_shardlang_check_reference_uses_groups_clipping_schedule_and_seed(tmp_path, capsys):
+    from shardlang.cli import main
+
+    path = tmp_path / "job.py"
+    path.write_text(JOB.replace("microbatches=2, ", ""))  # accumulation equals one process only without dropout
+    assert main(["check", str(path), "--world-sizes", "1", "--steps", "3", "--dtype", "float64"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    path.write_text(JOB.replace('random="global", seed=5', "seed=5").replace("torch.nn.Dropout(0.2), ", ""))
+    assert main(["check", str(path), "--world-sizes", "1", "--steps", "3", "--dtype", "float64"]) == 0
+    bad = tmp_path / "bad.py"
+    bad.write_text(JOB.replace("lr_schedule = lambda opt:", "lr_schedule = 3 # "))
+    with pytest.raises(sl.SpecError, match="lr_schedule is 3, not a function"):
+        from shardlang.job import load_job
+
+        load_job(bad)

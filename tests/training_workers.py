@@ -16,7 +16,7 @@ import parity
 import shardlang as sl
 from shardlang.batch import split_batch
 from shardlang.compiler.training import per_rank_seed
-from shardlang.training import ParamGroup, assign_groups
+from shardlang.training import to_param_groups, torch_param_groups
 
 
 class DropoutMLP(nn.Module):
@@ -92,12 +92,7 @@ def reference(case_name: str, optimizer: str, steps: int, options: dict | None =
     per_rank = options.get("random", "per_rank") == "per_rank"
     states = [torch.Generator().manual_seed(per_rank_seed(seed, r)).get_state() for r in range(world_size)]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    param_groups = [ParamGroup(pattern, **overrides) for pattern, overrides in (groups or ())]
-    group_of = assign_groups([(n, True) for n, _ in named], tuple(param_groups))
-    torch_groups = [{"params": [p for n, p in named if group_of.get(n, 0) == 0]}]
-    torch_groups += [{"params": [p for n, p in named if group_of.get(n) == g], **pg.overrides}
-                     for g, pg in enumerate(param_groups, start=1)]
-    opt = parity.OPTIMIZERS[optimizer][1](torch_groups)
+    opt = parity.OPTIMIZERS[optimizer][1](torch_param_groups(named, to_param_groups(groups)))
     scheduler = SCHEDULES[schedule](opt) if schedule else None
     losses, norms, lrs = [], [], []
     caller = torch.get_rng_state()
