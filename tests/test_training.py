@@ -392,3 +392,24 @@ def test_shardlang_check_reference_uses_groups_clipping_schedule_and_seed(tmp_pa
         from shardlang.job import load_job
 
         load_job(bad)
+
+
+# -- with the strategies and hybrid meshes -------------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_training_features_compose_with_strategies_on_a_hybrid_mesh(run_on, accumulation):
+    """replicate=2 x fsdp=2, ZeRO-3 root, ZeRO-1 and DDP blocks, replicated LayerNorms; clipping (each value
+    counted once across shards and replicas), a no-decay group and 2 micro-batches: still one process's result."""
+    import strategy_workers
+
+    spec = {"mesh": {"replicate": 2, "fsdp": 2},
+            "rules": [{"pattern": "*ln*", "layout": "replicate"}, {"pattern": "*", "layout": "shard", "axis": "fsdp"}],
+            "strategies": [{"pattern": "blocks.0", "strategy": "zero1"}, {"pattern": "blocks.1", "strategy": "ddp"}],
+            "options": {"clip_grad_norm": 0.5, "microbatches": 2, "accumulation": accumulation},
+            "param_groups": [{"pattern": "*.bias", "weight_decay": 0.0}]}
+    results = run_on(4, strategy_workers.train_with_spec, "gpt_tiny", "adamw", spec)
+    _, ref_params, _, _, _ = w.reference("gpt_tiny", "adamw", STEPS, {"clip_grad_norm": 0.5},
+                                         [("*.bias", {"weight_decay": 0.0})])
+    for rank, (_losses, params, _buffers) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
