@@ -161,6 +161,7 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
     n_state = sum(len(optimizer.state_names(f)) for f in flats if f.trainable)
     micro = training.microbatches
     keep = training.accumulation is Accumulation.KEEP
+    sum_dtypes = [f.gradient_reduce_dtype for f in flats if f.trainable for _ in f.members]
 
     def step_fn(*args):
         flat_in = args[:n_flat]
@@ -200,6 +201,8 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
                 with fx_traceback.annotate({"phase": Phase.BACKWARD.value}):
                     mine = list(torch.autograd.grad(loss, trainable, materialize_grads=True)) if trainable else []
                 with fx_traceback.annotate({"phase": Phase.BACKWARD.value, "grad_sum": True}):
+                    if micro > 1:  # KEEP sums in the dtype the sum is reduced in (mixed precision: reduce_dtype)
+                        mine = [g.to(dt) for g, dt in zip(mine, sum_dtypes)]
                     grads = mine if grads is None else [a + g for a, g in zip(grads, mine)]
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         with torch.no_grad():
