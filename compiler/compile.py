@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.fx as fx
 
+from .bucket import bucket_flat_params
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
 from .pipeline import DEFAULT_PASSES, run_passes
@@ -57,14 +58,16 @@ class CompiledStep:
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
                  optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 training: Training | None = None, passes=DEFAULT_PASSES, check_each_pass: bool = False,
+                 training: Training | None = None, bucket_bytes: int = 0, passes=DEFAULT_PASSES,
+                 check_each_pass: bool = False,
                  dump_dir=None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
     ``check_each_pass`` the schedule verifier also runs after every pass
     (structural checks only; the final schedule is always verified).
-    ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`).
+    ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`);
+    ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.bucket`).
     Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
     ZERO3 with ``reshard_after_forward``, ZERO2 without.
     """
@@ -73,6 +76,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                               default_strategy=default_strategy)
     training = training or Training()
     flats = split_by_group(flats, training)
+    flats = bucket_flat_params(flats, bucket_bytes)
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
                         training=training)

@@ -71,7 +71,8 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
         model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
         reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,
         param_dtype=_precision(resolved.options, "param_dtype"), reduce_dtype=_precision(resolved.options, "reduce_dtype"),
-        training=training_of(resolved), check_each_pass=check_each_pass, dump_dir=dump_dir,
+        training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
+        check_each_pass=check_each_pass, dump_dir=dump_dir,
     )
 
 

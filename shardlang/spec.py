@@ -45,7 +45,7 @@ __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed")
+                "random", "seed", "bucket_bytes")
 _SHOWN_NAMES = 12
 
 
@@ -70,6 +70,14 @@ def _check_mixed_precision(_instance: object, _attribute: object, value: object)
         )
 
 
+def _check_bucket_bytes(_instance: object, _attribute: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(
+            f"Options.bucket_bytes is {value!r}; it must be an int >= 0 (0: one collective per flat parameter; "
+            "b: merge consecutive flat parameters smaller than b bytes into buckets of about b bytes)"
+        )
+
+
 @attrs.frozen
 class Options:
     """How the compiled step trades memory for overlap.
@@ -83,6 +91,8 @@ class Options:
       norm, None: off), ``microbatches`` and ``accumulation`` (k micro-batches per
       optimizer step, `Accumulation.PER_MICROBATCH` or `Accumulation.KEEP`),
       ``random`` and ``seed`` (how ranks draw dropout masks, `RandomScheme`).
+    - ``bucket_bytes``: merge consecutive small flat parameters into one
+      collective (docs/plan.md, "Bucketing"); 0 (the default) keeps one per unit.
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -97,13 +107,14 @@ class Options:
     random: training.RandomScheme = attrs.field(default=training.RandomScheme.PER_RANK, converter=training.to_random,
                                                 repr=training.enum_repr)
     seed: int = attrs.field(default=0, validator=training.check_seed)
+    bucket_bytes: int = attrs.field(default=0, validator=_check_bucket_bytes)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
         d: dict[str, object] = {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
-        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed"):  # only when not default
+        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes"):  # not default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

@@ -39,3 +39,23 @@ def test_zero_turns_bucketing_off():
     params = tuple(param(f"u{i}.w", 4, f"u{i}") for i in range(5))
     flats = build_flat_params(params, MESH)
     assert bucket_flat_params(flats, 0) == flats
+
+
+def test_bucketed_gpt_trains_like_one_process_and_gathers_less_often(run_on):
+    import parity
+
+    results = run_on(2, parity.train_sharded, "gpt_tiny", "adamw", "float64", 3, {"bucket_bytes": 1 << 20})
+    _, ref_params, _ = parity.train_reference("gpt_tiny", "adamw", "float64", 3)
+    assert parity.max_relative_difference(results[0][1], ref_params) < 1e-9
+    schedule = results[0][3]
+    assert [f["unit"] for f in schedule["flats"]] == ["<root>+blocks.0+blocks.1"]  # one bucket
+    assert schedule["collectives"]["all_gather"] == 1 and schedule["collectives"]["reduce_scatter"] == 1
+
+
+def test_bucket_bytes_is_validated():
+    import pytest
+
+    import shardlang as sl
+
+    with pytest.raises(sl.SpecError, match="bucket_bytes is -1"):
+        sl.Options(bucket_bytes=-1)
