@@ -52,6 +52,17 @@ def is_alias_op(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
+def unpack_copies(node: fx.Node) -> bool:
+    """Whether an ``unpack`` node copies its member out of the gathered buffer (rather than viewing it).
+
+    Decided by running the unpack on a meta buffer of the same length: no data, only storage identity.
+    """
+    gathered, world, offset, piece, *rest = node.args
+    row = max(u.args[2] + u.args[3] for u in gathered.users if sl_tag(u).get("kind") == "unpack")
+    buffer = torch.empty(world * row, device="meta")
+    return node.target(buffer, world, offset, piece, *rest)._base is not buffer
+
+
 def alias_closure(root: fx.Node) -> list[fx.Node]:
     """``root`` and every node that may alias it through a chain of views, in graph order."""
     seen, stack = {root}, [root]

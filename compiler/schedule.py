@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from . import collectives
 from .context import CompileContext
-from .graph_utils import alias_closure, sl_tag
+from .graph_utils import alias_closure, sl_tag, unpack_copies
 from .placement import WORLD
 from .trace import Phase, phase_of, tag_of
 
@@ -245,6 +245,14 @@ def _flat_summary(flat) -> FlatSummary:
     )
 
 
+def _freed_bytes(free: fx.Node) -> int:
+    """The storage a ``free`` releases: the gathered buffer, or the copies unpacked from it
+    (Note [copy-out frees the buffer] in passes/reshard_after_forward.py)."""
+    held = [a for a in free.args if sl_tag(a).get("kind") == "wait_gather"
+            or (sl_tag(a).get("kind") == "unpack" and unpack_copies(a))]
+    return sum(_nbytes(a) for a in held)
+
+
 def _nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
@@ -298,7 +306,7 @@ class _Builder:
                     self.gathered[alias] = flat
         elif kind == "free":
             self.close_segment()
-            self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_nbytes(node.args[0]),
+            self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_freed_bytes(node),
                      node_names=(node.name,))
         elif phase == Phase.OPTIMIZER.value and tag_of(node, "flat") and not kind:
             self.extend_segment(node, OpKind.OPTIMIZER, phase, tag_of(node, "flat"))

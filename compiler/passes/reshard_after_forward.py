@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from .. import collectives
 from ..context import CompileContext
-from ..graph_utils import alias_closure, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
+from ..graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
 from ..placement import Strategy
 from ..trace import Phase, phase_of
 
@@ -121,4 +121,21 @@ def _insert_free(graph: fx.Graph, closure: list[fx.Node], flat: str) -> None:
     if last is None:
         last = closure[-1]
     with graph.inserting_after(last):
-        tag(graph.call_function(collectives.free, tuple(closure)), "free", flat, phase_of(last) or Phase.FORWARD)
+        tag(graph.call_function(collectives.free, tuple(_kept_until_free(closure))), "free", flat,
+            phase_of(last) or Phase.FORWARD)
+
+
+def _kept_until_free(closure: list[fx.Node]) -> list[fx.Node]:
+    """What the unit's ``free`` holds on to: all of it, but the gathered buffer when nothing views it.
+
+    Note [copy-out frees the buffer]: when every member is copied out of the
+    gathered buffer (a unit of several parameters), nothing needs the buffer
+    after the last copy, so the free does not name it and the generated code
+    drops it right after unpacking, as FSDP2 frees its all-gather output after
+    copy-out. The unit then costs its parameters once, not twice.
+    """
+    buffer = closure[0]
+    readers = list(buffer.users)
+    if readers and all(sl_tag(u).get("kind") == "unpack" and unpack_copies(u) for u in readers):
+        return closure[1:]
+    return closure
