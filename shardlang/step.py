@@ -57,6 +57,7 @@ class Step:
         self.hyper = {k: v.to(device) for k, v in hyper_tensors(compiled.traced.optimizer).items()}
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
         self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, device)
+        self.grad_norm: torch.Tensor | None = None  # with clip_grad_norm: the last step's norm before clipping
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
         self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
@@ -70,6 +71,8 @@ class Step:
         inputs = self.graph_inputs(batch)
         with torch.no_grad(), self.random or contextlib.nullcontext():  # the graph holds its own backward
             loss = self._graph(*inputs)
+        if isinstance(loss, tuple):  # Options(clip_grad_norm=...): (loss, the gradient norm before clipping)
+            loss, self.grad_norm = loss
         if self.lr_schedule is not None:
             self.lr_schedule.advance()
             self._write_lrs(self.lr_schedule.lrs())

@@ -39,6 +39,7 @@ def test_clipping_matches_clip_grad_norm(run_on, world_size):
     assert all(n > 0.5 for n in norms)
     for rank, (_losses, params, _b, schedule, _lrs) in enumerate(results):
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        assert schedule["grad_norms"] == pytest.approx(norms, rel=1e-12)  # what clip_grad_norm_ returned
         norm_ops = _ops(schedule, "all_reduce", "gradient norm")
         assert len(norm_ops) == 1 and norm_ops[0]["bytes"] == 8  # one float64 per step
         assert norm_ops[0]["flat"] is None and norm_ops[0]["phase"] == "optimizer"

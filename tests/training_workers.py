@@ -56,7 +56,10 @@ SCHEDULES = {
 
 def train(ctx, case_name: str, optimizer: str, steps: int, options: dict | None = None, groups=None, rules=None,
           schedule: str | None = None, dtype: str = "float64"):
-    """Train sharded on this rank; returns (losses, full params, buffers, schedule dict, lrs per step)."""
+    """Train sharded on this rank; returns (losses, full params, buffers, schedule dict, lrs per step).
+
+    The schedule dict also holds ``grad_norms``: `Step.grad_norm` after each step (None without clipping).
+    """
     case, dt = CASES[case_name], parity.DTYPES[dtype]
     model = case.build(dt)
     spec = sl.Spec(mesh=sl.Mesh(fsdp=ctx.world_size), rules=rules, units=case.units,
@@ -66,13 +69,14 @@ def train(ctx, case_name: str, optimizer: str, steps: int, options: dict | None 
                       dist_context=ctx, check_each_pass=True,
                       lr_schedule=SCHEDULES[schedule] if schedule else None)
     graph = step._graph  # the bound graph
-    losses, lrs = [], []
+    losses, lrs, norms = [], [], []
     for k in range(steps):
         lrs.append(step.lrs)
         losses.append(float(step(split_batch(case.make_batch(k, dt), ctx.world_size, ctx.rank))))
+        norms.append(None if step.grad_norm is None else float(step.grad_norm))
     assert step._graph is graph  # one trace, one graph, whatever the lr
-    return losses, step.full_parameters(), {k: v.clone() for k, v in step.full_buffers().items()}, \
-        step.schedule.to_dict(), lrs
+    schedule = step.schedule.to_dict() | {"grad_norms": norms}
+    return losses, step.full_parameters(), {k: v.clone() for k, v in step.full_buffers().items()}, schedule, lrs
 
 
 def reference(case_name: str, optimizer: str, steps: int, options: dict | None = None, groups=None,

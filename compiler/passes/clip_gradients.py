@@ -25,6 +25,9 @@ hybrid mesh), so each rank's sum of squares for a flat is multiplied by
 ``flat.world / mesh.size`` before the all-reduce: every value then counts once.
 Frozen parameters have no gradient and count for nothing, as in torch.
 
+The graph then returns ``(loss, total_norm)`` (the norm before clipping, a
+float64, as ``clip_grad_norm_`` returns it); `Step` keeps it as ``grad_norm``.
+
 Invariant: every optimizer node that read an averaged gradient reads the
 clipped one (kind "clip"), and comes after the norm's wait.
 """
@@ -57,7 +60,7 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     order = positions(graph)
     anchor = max(grads.values(), key=order.__getitem__)
     with graph.inserting_before(anchor.next):
-        coef = _clip_coefficient(graph, ctx, grads, max_norm)
+        norm, coef = _clip_coefficient(graph, ctx, grads, max_norm)
     clipped = {}
     with graph.inserting_before(coef.next):
         for flat, grad in grads.items():
@@ -69,14 +72,17 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 reader.replace_input_with(grad, clipped[flat])
     last = max(clipped.values(), key=positions(graph).__getitem__)
     move_after(graph, last, is_update, "gradient clipping")
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((output.args[0], norm),)  # the step returns (loss, total_norm), as clip_grad_norm_ returns it
     collectives.eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node], max_norm: float) -> fx.Node:
-    """Nodes computing ``min(max_norm / (norm + 1e-6), 1)``, the norm all-reduced over every rank."""
+def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
+                      max_norm: float) -> tuple[fx.Node, fx.Node]:
+    """Nodes computing the global norm and ``min(max_norm / (norm + 1e-6), 1)``; the norm is all-reduced."""
     total = None
     for name, grad in grads.items():
         flat = ctx.flat(name)
@@ -93,7 +99,7 @@ def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.
     norm = _op(graph, _aten.sqrt.default, _op(graph, _aten.view.default, summed, []))
     coef = _op(graph, _aten.reciprocal.default, _op(graph, _aten.add.Tensor, norm, EPS))
     coef = _op(graph, _aten.mul.Tensor, coef, max_norm)
-    return _op(graph, _aten.clamp_max.default, coef, 1.0)
+    return norm, _op(graph, _aten.clamp_max.default, coef, 1.0)
 
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
