@@ -67,13 +67,44 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
     resolved = spec.resolve(model, world_size)
-    return compile_step(
-        model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
-        reshard_after_forward=resolved.options.reshard_after_forward, prefetch=resolved.options.prefetch,
-        param_dtype=_precision(resolved.options, "param_dtype"), reduce_dtype=_precision(resolved.options, "reduce_dtype"),
-        training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
-        check_each_pass=check_each_pass, dump_dir=dump_dir,
-    )
+
+    def at_depth(prefetch: int) -> CompiledStep:
+        return compile_step(
+            model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
+            reshard_after_forward=resolved.options.reshard_after_forward, prefetch=prefetch,
+            param_dtype=_precision(resolved.options, "param_dtype"),
+            reduce_dtype=_precision(resolved.options, "reduce_dtype"),
+            training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
+            check_each_pass=check_each_pass, dump_dir=dump_dir,
+        )
+
+    budget = resolved.options.memory_budget
+    if budget is None:
+        return at_depth(resolved.options.prefetch)
+    return _deepest_prefetch_within(budget, at_depth, max_depth=len(resolved.units))
+
+
+def _deepest_prefetch_within(budget: int, at_depth: Callable[[int], CompiledStep], max_depth: int) -> CompiledStep:
+    """The compiled step with the deepest prefetch whose planned peak fits ``budget`` bytes per rank.
+
+    Deeper prefetch keeps more units gathered at once, so the peak grows with
+    the depth; a binary search needs about log2(units) compiles.
+    """
+    best = at_depth(0)
+    if best.memory.peak > budget:
+        raise SpecError(
+            f"Options.memory_budget={budget} bytes per rank is below the planned peak with no prefetch at all "
+            f"({best.memory.peak} bytes); raise the budget, shard more (more ranks, ZeRO-3), or shrink the batch"
+        )
+    low, high = 1, max_depth
+    while low <= high:
+        depth = (low + high) // 2
+        candidate = at_depth(depth)
+        if candidate.memory.peak <= budget:
+            best, low = candidate, depth + 1
+        else:
+            high = depth - 1
+    return best
 
 
 def _precision(options, field: str):

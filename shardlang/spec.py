@@ -45,7 +45,7 @@ __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed", "bucket_bytes")
+                "random", "seed", "bucket_bytes", "memory_budget")
 _SHOWN_NAMES = 12
 
 
@@ -78,6 +78,14 @@ def _check_bucket_bytes(_instance: object, _attribute: object, value: object) ->
         )
 
 
+def _check_memory_budget(_instance: object, _attribute: object, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise SpecError(
+            f"Options.memory_budget is {value!r}; it must be None or a positive int, the bytes one rank may use "
+            "at its peak (the compiler then picks the deepest prefetch whose planned peak fits)"
+        )
+
+
 @attrs.frozen
 class Options:
     """How the compiled step trades memory for overlap.
@@ -91,6 +99,8 @@ class Options:
       norm, None: off), ``microbatches`` and ``accumulation`` (k micro-batches per
       optimizer step, `Accumulation.PER_MICROBATCH` or `Accumulation.KEEP`),
       ``random`` and ``seed`` (how ranks draw dropout masks, `RandomScheme`).
+    - ``memory_budget``: bytes per rank; the compiler picks the deepest prefetch
+      whose planned peak fits (``prefetch`` is then ignored).
     - ``bucket_bytes``: merge consecutive small flat parameters into one
       collective (docs/plan.md, "Bucketing"); 0 (the default) keeps one per unit.
 
@@ -108,13 +118,15 @@ class Options:
                                                 repr=training.enum_repr)
     seed: int = attrs.field(default=0, validator=training.check_seed)
     bucket_bytes: int = attrs.field(default=0, validator=_check_bucket_bytes)
+    memory_budget: int | None = attrs.field(default=None, validator=_check_memory_budget)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
         d: dict[str, object] = {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
-        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes"):  # not default
+        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
+                     "memory_budget"):  # only when not the default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

@@ -171,3 +171,22 @@ def test_verifier_catches_an_optimizer_touching_the_whole_parameter(good):
                    else op)
     with pytest.raises(sl.ScheduleError, match="touches"):
         sl.verify(whole)
+
+
+def test_memory_budget_picks_the_deepest_prefetch_that_fits():
+    gpt = load_gpt_module()
+    build = lambda: gpt.make_gpt(n_layer=4)  # noqa: E731
+    batch = split_batch(gpt.make_batch(0), 4, 0)
+
+    def planned(**options):
+        spec = sl.Spec(mesh=sl.Mesh(fsdp=4), units=["blocks.*"], options=sl.Options(**options))
+        return sl.plan(build, gpt.loss_fn, spec, example_batch=batch, world_size=4)
+
+    peaks = {d: planned(prefetch=d).memory.peak for d in range(6)}  # 5 units: root and 4 blocks
+    assert peaks[0] < peaks[2]  # prefetching deeper keeps more units gathered
+    assert all(peaks[d] <= peaks[d + 1] for d in range(5))  # never less: what the search relies on
+    chosen = planned(memory_budget=peaks[1])
+    assert chosen.schedule.options["prefetch"] == max(d for d, p in peaks.items() if p <= peaks[1])
+    assert chosen.memory.peak <= peaks[1]
+    with pytest.raises(sl.SpecError, match=f"memory_budget={peaks[0] - 1} bytes per rank is below"):
+        planned(memory_budget=peaks[0] - 1)

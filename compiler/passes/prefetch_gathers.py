@@ -4,8 +4,10 @@ Before: every gather is issued right before its own wait, just ahead of the
 unit's first use, so the compute waits for the whole transfer.
 After: within forward, and within backward, the gathers form a sequence
 g0, g1, g2, ... in the order their waits appear. With depth d, the issue of
-g(i+d) moves to just after the wait of g(i): while unit i computes, the next d
-units are already in flight. Waits stay where they are (just before first
+g(j) moves to just after the wait of g(j-d) (of g0 when j <= d): while unit i
+computes, the next d units are already in flight. A depth beyond the number
+of gathers prefetches everything after the first, so memory never falls as
+the depth grows (what `Options.memory_budget`'s search relies on). Waits stay where they are (just before first
 use), so correctness is untouched; memory grows by up to d gathered units,
 which the schedule shows. Depth 0 leaves the graph as it is.
 
@@ -27,11 +29,9 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         waits = [n for n in gm.graph.nodes if sl_tag(n).get("kind") == "wait_gather" and phase_of(n) is phase]
-        for i, wait in enumerate(waits):
-            ahead = i + ctx.prefetch
-            if ahead >= len(waits):
-                break
-            issue = waits[ahead].args[0]
+        for j in range(1, len(waits)):
+            # Gather j is issued right after the wait of gather j - d (the first one's, for j <= d).
+            wait, issue = waits[max(j - ctx.prefetch, 0)], waits[j].args[0]
             # Only move earlier: the target spot must precede the issue's current place.
             if _comes_before(wait, issue):
                 source = issue.args[0]
