@@ -19,6 +19,7 @@ from .passes.accumulate_microbatches import accumulate_microbatches
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_parameters import gather_parameters
 from .passes.gather_updated_shards import gather_updated_shards
+from .passes.limit_reductions_in_flight import limit_reductions_in_flight
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
@@ -35,6 +36,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     reduce_gradients,
     accumulate_microbatches,
     clip_gradients,
+    limit_reductions_in_flight,
     gather_updated_shards,
     shard_optimizer,
 )
