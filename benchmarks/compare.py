@@ -1,0 +1,234 @@
+"""shardlang against PyTorch FSDP2 and DDP, side by side, in one invocation.
+
+Run from the repository root::
+
+    python -m benchmarks                       # the full benchmark (10M and 100M GPT, N = 1, 2, 4)
+    python -m benchmarks --quick               # the smallest: tiny GPT, N = 1, 2, one step
+    python -m benchmarks --sizes 10M --world-sizes 2 --modes shardlang,fsdp2 --steps 5
+
+For every model size and world size N it runs each mode (`modes.MODES`) on N local
+CPU ranks joined over gloo, one torch thread per rank, then runs the same modes
+again with the "fake" process-group backend, whose collectives do nothing, to
+tell how much of a step waits for communication. It writes ``results.json``
+(every rank's raw numbers and the aggregates), ``results.md`` (the tables and the
+targets) and a plot of step time and memory per rank against N into ``--out``.
+See docs/benchmarks.md for what each number means.
+
+Note [pools]: the ranks of one world size are one `WorkerPool`, reused by every
+run at that N (spawning 4 processes and importing torch costs ~10 s on two
+cores). Each pool first runs every mode once on the tiny model, unreported, so
+that imports and one-time caches are not charged to the first measured run's
+memory; memory is measured above each run's own baseline (Note [memory in use]
+in `probes.py`). Each fake-backend run follows its gloo run at once, so that both
+see about the same load from other processes, and gives the pool its gloo group
+back when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shardlang.runtime.launcher import WorkerPool, find_free_port
+
+from .modes import FAKE, GLOO, MODES, SIZES, RunSpec, run_rank
+from .reference import references
+from .report import aggregate, render_markdown, write_plot
+
+DEFAULT_MODES = ("shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp")
+N1_ONLY = ("single",)  # runs whenever N = 1 does
+NOT_AT_N1 = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp")  # at N = 1 the same program as shardlang
+RUN_TIMEOUT_S = 1800.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the pools stop their ranks
+    quick = {"sizes": ["tiny"], "world_sizes": [1, 2], "warmup": 1, "steps": 1, "prime": False}
+    full = {"sizes": ["10M", "100M"], "world_sizes": [1, 2, 4], "warmup": 2, "steps": 3, "prime": True}
+    for key, value in (quick if args.quick else full).items():  # options given explicitly win
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    _check(args)
+    out = Path(args.out or (tempfile.mkdtemp(prefix="shardlang-bench-") if args.quick else "docs/benchmarks"))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    machine = _machine()
+    _log(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; torch {torch.__version__}")
+    refs = {s: references(SIZES[s], args.world_sizes, args.global_batch) for s in args.sizes}
+    runs = []
+    for world in args.world_sizes:
+        runs += _run_world(world, args, refs)
+    results = {
+        "machine": machine,
+        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": {k: getattr(args, k) for k in ("sizes", "world_sizes", "modes", "warmup", "steps",
+                                                    "global_batch", "exposed", "prime", "memory_budget_gib")},
+        "sizes": {s: {"config": vars(SIZES[s]), "reference": {str(n): r.to_dict() for n, r in refs[s].items()}}
+                  for s in args.sizes},
+        "runs": runs,
+        "wall_s": None,
+    }
+    results["summary"] = aggregate(results)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    markdown = render_markdown(results)
+    (out / "results.md").write_text(markdown)
+    plot = write_plot(results, out / "step_time_memory.png")
+    print(markdown)
+    _log(f"wrote {out / 'results.json'}, {out / 'results.md'}" + (f", {plot}" if plot else ""))
+    _log(f"total {results['wall_s']:.0f} s")
+    return 0
+
+
+def _run_world(world: int, args, refs: dict) -> list[dict]:
+    """Every run at world size ``world`` on one pool (Note [pools]): gloo runs, then fake-backend runs."""
+    modes = tuple((list(N1_ONLY) if world == 1 else [])
+                  + [m for m in args.modes if m not in N1_ONLY and not (world == 1 and m in NOT_AT_N1)])
+    runs = []
+    _log(f"N={world}: starting {world} rank(s)")
+    with WorkerPool(world, timeout=RUN_TIMEOUT_S, threads=1) as pool:
+        if args.prime:
+            pool.run(run_rank, RunSpec(SIZES["tiny"], modes, world, warmup=1, steps=1, global_batch=args.global_batch))
+        for size in args.sizes:
+            for group in memory_groups(modes, refs[size][world], args.memory_budget_gib * 2**30):
+                spec = RunSpec(SIZES[size], group, world, GLOO, args.warmup, args.steps, args.global_batch)
+                runs += _run_group(pool, spec)
+                if args.exposed and world > 1:  # right after, so that both see about the same load
+                    fake = dataclasses.replace(spec, backend=FAKE, warmup=1, restore_port=find_free_port())
+                    runs += _run_group(pool, fake)
+    return runs
+
+
+def _run_group(pool: WorkerPool, spec: RunSpec) -> list[dict]:
+    started = time.perf_counter()
+    per_rank = pool.run(run_rank, spec)
+    runs = []
+    for mode in spec.modes:
+        ranks = [r[mode] for r in per_rank]
+        runs.append({"size": spec.size.name, "world": spec.world, "mode": mode, "backend": spec.backend,
+                     "group": list(spec.modes), "ranks": ranks, "loadavg": os.getloadavg()[0]})
+        times = sorted(max(r["times"][k] for r in ranks) for k in range(spec.steps))
+        _log(f"{spec.label} {mode}: step {_fmt_s(times[len(times) // 2])}, "
+             f"peak {max(r['peak'] for r in ranks) / 2**20:.0f} MiB, "
+             f"loss {sum(r['loss'] for r in ranks) / spec.world:.6f}")
+    _log(f"{spec.label} [{', '.join(spec.modes)}]: {time.perf_counter() - started:.0f} s, "
+         f"load average {os.getloadavg()[0]:.1f}")
+    return runs
+
+
+def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str, ...]]:
+    """Modes packed into runs whose resident memory, over all ranks, stays under ``budget`` bytes (Note [pools]).
+
+    Modes are placed first-fit in order, shardlang and FSDP2 first, so that the
+    comparison that matters most is always side by side.
+    """
+    first = [m for m in ("shardlang", "fsdp2") if m in modes]
+    groups: list[list[str]] = []
+    for mode in first + [m for m in modes if m not in first]:
+        need = _resident_estimate(mode, ref)
+        for group in groups:
+            if sum(_resident_estimate(m, ref) for m in group) + need <= budget:
+                group.append(mode)
+                break
+        else:
+            groups.append([mode])
+    order = {m: i for i, m in enumerate(modes)}
+    return [tuple(sorted(g, key=order.__getitem__)) for g in groups]
+
+
+# Bytes per parameter a mode holds on each rank, (whole, sharded over N), generously: parameters, gradients,
+# AdamW moments, DDP's buckets, ZeRO-2's gathered parameters, plus transients.
+_BYTES_PER_PARAM = {"single": (20, 0), "ddp": (24, 0), "shardlang-ddp": (20, 0), "shardlang-zero1": (8, 8),
+                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16)}
+
+
+def _resident_estimate(mode: str, ref) -> float:
+    whole, sharded = _BYTES_PER_PARAM[mode]
+    per_rank = ref.params * (whole + sharded / ref.world) + 2 * ref.largest_unit + ref.activations
+    return ref.world * per_rank
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _machine() -> dict:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory, 1), "torch": torch.__version__,
+            "python": sys.version.split()[0], "loadavg_start": os.getloadavg()}
+
+
+def _available_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**31
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=_csv(str),
+                   help=f"model sizes, comma-separated, from {', '.join(SIZES)} (default 10M,100M)")
+    p.add_argument("--world-sizes", type=_csv(int), help="world sizes (default 1,2,4)")
+    p.add_argument("--modes", type=_csv(str), default=list(DEFAULT_MODES),
+                   help=f"modes besides the one-process reference, from {', '.join(MODES[1:])} (default all)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 2)")
+    p.add_argument("--steps", type=int, help="timed steps (default 3); one instrumented step follows")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")
+    p.add_argument("--no-exposed", dest="exposed", action="store_false",
+                   help="skip the fake-backend runs (no exposed-communication fraction)")
+    p.add_argument("--memory-budget-gib", type=float, default=_available_gib() / 2,
+                   help="resident memory the modes run side by side may take, all ranks together "
+                        "(default half of the memory available at start); modes that do not fit run apart")
+    p.add_argument("--no-prime", dest="prime", action="store_false", default=None,
+                   help="skip the unreported tiny run of each mode that warms a pool up (Note [pools])")
+    p.add_argument("--out", help="directory for results.json, results.md and the plot "
+                                 "(default docs/benchmarks; with --quick, a new temporary directory)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-test defaults: tiny GPT, N = 1 and 2, one warm-up and one timed step, no priming "
+                        "(options given explicitly still apply)")
+    return p
+
+
+def _check(args) -> None:
+    for size in args.sizes:
+        if size not in SIZES:
+            raise SystemExit(f"python -m benchmarks: error: unknown size {size!r}; valid sizes are {', '.join(SIZES)}")
+    for mode in args.modes:
+        if mode not in MODES:
+            raise SystemExit(f"python -m benchmarks: error: unknown mode {mode!r}; valid modes are {', '.join(MODES)}")
+    if args.warmup < 1 or args.steps < 1:
+        raise SystemExit("python -m benchmarks: error: --warmup and --steps must be at least 1")
+    for world in args.world_sizes:
+        if world < 1 or args.global_batch % world:
+            raise SystemExit(f"python -m benchmarks: error: world size {world} must be >= 1 and divide "
+                             f"--global-batch {args.global_batch}")

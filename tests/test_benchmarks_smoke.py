@@ -1,0 +1,41 @@
+"""The benchmark entry point keeps working: ``python -m benchmarks --quick`` end to end.
+
+A smoke test, not a benchmark: it asserts no time. It checks that every mode ran
+at N = 1 and 2 (and on the fake backend), that the dispatcher probe saw each
+system's collectives, and that the losses agree.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+MODES = ("shardlang", "shardlang-zero1", "fsdp2", "ddp")  # ZeRO-2 and shardlang's DDP share these paths
+
+
+def test_quick_benchmark_runs_every_mode(tmp_path):
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--modes", ",".join(MODES), "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "## Targets" in (tmp_path / "results.md").read_text()
+
+    runs = {(r["world"], r["mode"], r["backend"]) for r in results["runs"]}
+    assert {(1, m, "gloo") for m in ("single", "shardlang", "fsdp2", "ddp")} <= runs
+    assert {(2, m, backend) for m in MODES for backend in ("gloo", "fake")} <= runs
+
+    rows = {(r["world"], r["mode"]): r for r in results["summary"]["rows"]}
+    # The probe sees shardlang's _c10d_functional ops and the c10d ops FSDP2 and DDP issue.
+    assert rows[2, "shardlang"]["counts"]["all_gather"] > 0 and rows[2, "shardlang"]["counts"]["reduce_scatter"] > 0
+    assert rows[2, "fsdp2"]["counts"]["all_gather"] > 0 and rows[2, "fsdp2"]["counts"]["reduce_scatter"] > 0
+    assert rows[2, "ddp"]["counts"]["all_reduce"] > 0
+    assert rows[2, "shardlang-zero1"]["counts"]["all_gather"] > 0
+    assert rows[2, "shardlang"]["payload_vs_schedule"] == 0
+    assert all(r["peak"] > 0 and r["same_on_every_rank"] for r in rows.values())
+    assert all(r["wire"] > 0 for (n, _), r in rows.items() if n == 2)
+    assert all(r["loss_diff"] < 1e-4 for r in rows.values())
