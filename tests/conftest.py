@@ -63,3 +63,23 @@ def pools() -> Iterator[WorkerPools]:
 def run_on(pools: WorkerPools) -> Callable[..., list[Any]]:
     """``run_on(world_size, fn, *args, timeout=None) -> [result of rank 0, rank 1, ...]``."""
     return pools.run
+
+
+@pytest.fixture(scope="session")
+def references() -> Callable[..., Any]:
+    """``references(case, optimizer, dtype="float64", steps=3)``: one process's training, cached for the session.
+
+    Returns `parity.train_reference`'s (losses, parameters, buffers); several test
+    files compare against the same references, so each is computed once.
+    """
+    import parity
+
+    cache: dict[tuple, Any] = {}
+
+    def get(case: str, optimizer: str, dtype: str = "float64", steps: int = 3):
+        key = (case, optimizer, dtype, steps)
+        if key not in cache:
+            cache[key] = parity.train_reference(case, optimizer, dtype, steps)
+        return cache[key]
+
+    return get

@@ -112,16 +112,6 @@ def test_verifier_catches_a_missing_all_reduce_across_replicas():
 # ---- on 4 ranks ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(case, optimizer):
-        if (case, optimizer) not in cache:
-            cache[case, optimizer] = parity.train_reference(case, optimizer, "float64", STEPS)
-        return cache[case, optimizer]
-
-    return get
 
 
 def check(results, reference, buffers=False):

@@ -17,17 +17,6 @@ CASES = ["mlp", "gpt_tiny", "prime", "frozen", "convnet_bn"]
 FLOAT64_TOLERANCE = 1e-9
 
 
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(case, optimizer, dtype="float64"):
-        key = (case, optimizer, dtype)
-        if key not in cache:
-            cache[key] = parity.train_reference(case, optimizer, dtype, STEPS)
-        return cache[key]
-
-    return get
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -226,16 +226,6 @@ def test_verifier_catches_a_gradient_reduced_over_the_wrong_ranks():
 # ---- parity with one process ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(case, optimizer):
-        if (case, optimizer) not in cache:
-            cache[case, optimizer] = parity.train_reference(case, optimizer, "float64", STEPS)
-        return cache[case, optimizer]
-
-    return get
 
 
 def check_parity(results, reference, world_size, buffers=False):
