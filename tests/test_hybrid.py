@@ -112,8 +112,6 @@ def test_verifier_catches_a_missing_all_reduce_across_replicas():
 # ---- on 4 ranks ------------------------------------------------------------------------------------
 
 
-
-
 def check(results, reference, buffers=False):
     ref_losses, ref_params, ref_buffers = reference
     for rank, (losses, params, bufs) in enumerate(results):

@@ -17,8 +17,6 @@ CASES = ["mlp", "gpt_tiny", "prime", "frozen", "convnet_bn"]
 FLOAT64_TOLERANCE = 1e-9
 
 
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("case", CASES)

@@ -226,8 +226,6 @@ def test_verifier_catches_a_gradient_reduced_over_the_wrong_ranks():
 # ---- parity with one process ---------------------------------------------------------------------
 
 
-
-
 def check_parity(results, reference, world_size, buffers=False):
     ref_losses, ref_params, ref_buffers = reference
     for rank, (losses, params, bufs) in enumerate(results):
