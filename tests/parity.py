@@ -34,10 +34,17 @@ def train_sharded(ctx, case_name: str, optimizer: str, dtype: str, steps: int, o
                   rules=None):
     """Train ``steps`` steps sharded on this rank; every rank returns (losses, params, buffers, schedule dict)."""
     case, dt = CASES[case_name], DTYPES[dtype]
-    model = case.build(dt)
     spec = spec_for(case, ctx.world_size, **(options or {}))
     if rules is not None:
         spec = sl.Spec(mesh=spec.mesh, rules=rules, units=spec.units, options=spec.options)
+    losses, step = run_steps(ctx, case, dt, spec, optimizer, steps)
+    params = step.full_parameters()
+    return losses, params, {k: v.clone() for k, v in step.full_buffers().items()}, step.schedule.to_dict()
+
+
+def run_steps(ctx, case, dt, spec, optimizer: str, steps: int):
+    """Compile ``spec`` for this rank and train ``steps`` steps on the case's global batches: (losses, step)."""
+    model = case.build(dt)
     example = split_batch(case.make_batch(0, dt), ctx.world_size, ctx.rank)
     step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS[optimizer][0](), example_batch=example,
                       dist_context=ctx, check_each_pass=True)
@@ -45,8 +52,7 @@ def train_sharded(ctx, case_name: str, optimizer: str, dtype: str, steps: int, o
     for k in range(steps):
         batch = split_batch(case.make_batch(k, dt), ctx.world_size, ctx.rank)
         losses.append(float(step(batch)))
-    params = step.full_parameters()
-    return losses, params, {k: v.clone() for k, v in step.full_buffers().items()}, step.schedule.to_dict()
+    return losses, step
 
 
 def train_reference(case_name: str, optimizer: str, dtype: str, steps: int, world_size: int = 1):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import shardlang as sl
 from shardlang.batch import split_batch
 
+import parity
 from models import CASES
 from parity import DTYPES, OPTIMIZERS
 
@@ -23,15 +24,8 @@ def train_with_spec(ctx, case_name: str, optimizer: str, spec_dict: dict, steps:
     fills the rest); the case's units apply unless the spec names its own.
     """
     case, dt = CASES[case_name], DTYPES[dtype]
-    model = case.build(dt)
     spec = sl.Spec.from_dict(_with_units(case, spec_dict))
-    example = split_batch(case.make_batch(0, dt), ctx.world_size, ctx.rank)
-    step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS[optimizer][0](), example_batch=example,
-                      dist_context=ctx, check_each_pass=True)
-    losses = []
-    for k in range(steps):
-        batch = split_batch(case.make_batch(k, dt), ctx.world_size, ctx.rank)
-        losses.append(float(step(batch)))
+    losses, step = parity.run_steps(ctx, case, dt, spec, optimizer, steps)
     return losses, step.full_parameters(), {k: v.clone() for k, v in step.full_buffers().items()}
 
 
