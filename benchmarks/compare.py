@@ -46,7 +46,8 @@ from .report import aggregate, render_markdown, write_plot
 
 DEFAULT_MODES = ("shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp")
 N1_ONLY = ("single",)  # runs whenever N = 1 does
-NOT_AT_N1 = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp")  # at N = 1 the same program as shardlang
+# At N = 1 the same program as shardlang:
+NOT_AT_N1 = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "shardlang-rs-a2a")
 RUN_TIMEOUT_S = 1800.0
 
 
@@ -150,7 +151,7 @@ def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str,
 # Bytes per parameter a mode holds on each rank, (whole, sharded over N), generously: parameters, gradients,
 # AdamW moments, DDP's buckets, ZeRO-2's gathered parameters, plus transients.
 _BYTES_PER_PARAM = {"single": (20, 0), "ddp": (24, 0), "shardlang-ddp": (20, 0), "shardlang-zero1": (8, 8),
-                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16)}
+                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16), "shardlang-rs-a2a": (0, 16)}
 
 
 def _resident_estimate(mode: str, ref) -> float:
@@ -172,7 +173,22 @@ def _machine() -> dict:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory, 1), "torch": torch.__version__,
-            "python": sys.version.split()[0], "loadavg_start": os.getloadavg()}
+            "python": sys.version.split()[0], "loadavg_start": os.getloadavg(), "commit": _commit()}
+
+
+def _commit() -> str:
+    """The repository's commit, with "+changes" when the working tree differs from it ("" outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+changes" if dirty else "")
 
 
 def _available_gib() -> float:
@@ -200,7 +216,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"model sizes, comma-separated, from {', '.join(SIZES)} (default 10M,100M)")
     p.add_argument("--world-sizes", type=_csv(int), help="world sizes (default 1,2,4)")
     p.add_argument("--modes", type=_csv(str), default=list(DEFAULT_MODES),
-                   help=f"modes besides the one-process reference, from {', '.join(MODES[1:])} (default all)")
+                   help=f"modes besides the one-process reference, from {', '.join(MODES[1:])} "
+                        "(default: all but the what-if shardlang-rs-a2a)")
     p.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 2)")
     p.add_argument("--steps", type=int, help="timed steps (default 3); one instrumented step follows")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")

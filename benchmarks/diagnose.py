@@ -1,29 +1,41 @@
-"""Where a shardlang step's memory goes, and what two schedule changes would save: a diagnostic.
+"""Where a shardlang step's memory and time go, and what schedule changes would save: a diagnostic.
 
     python -m benchmarks.diagnose --size 100M --world 2              # state, peak, the op at the peak
     python -m benchmarks.diagnose --size 100M --world 2 --timeline   # memory after every graph node
     python -m benchmarks.diagnose --size 100M --world 2 --early-reduce-waits --updates-after-reduction
+    python -m benchmarks.diagnose --size 100M --world 1 --mode single --profile     # top ops by CPU time
+    python -m benchmarks.diagnose --retention        # what a pending gloo collective keeps alive
 
-It runs shardlang's full-sharding step (the benchmark's ``shardlang`` mode) on N
-local ranks and reports, on rank 0, the memory in use between steps and its peak
-during a step, both above the rank's baseline (Note [memory in use] in
-`probes.py`), the graph node at which the peak occurs, and the step time.
+It runs one mode of the benchmark (``--mode``, default ``shardlang``: full
+sharding) on N local ranks and reports, on rank 0, the memory in use between
+steps and its peak during a step, both above the rank's baseline (Note [memory
+in use] in `probes.py`), the step's wall and CPU time, and the losses; with
+``--timeline`` (shardlang modes) the memory after every graph node, with
+``--profile`` torch.profiler's top ops.
 
-The two flags are *what-if* rewrites of the bound graph, applied here, in the
+The other flags are *what-if* rewrites of the bound graph, applied here, in the
 benchmark process, to measure a proposed compiler change before anyone makes
 it (they are not part of shardlang, and they read its private graph):
 
 - ``--early-reduce-waits``: wait for each reduce-scatter just after the next one
-  is issued (at most two in flight), instead of just before the optimizer. A pending functional
-  collective keeps its full-size input alive until its wait (and gloo's
-  reduce-scatter adds a full-size all-reduce buffer), so late waits keep every
-  unit's whole gradient alive until the end of backward.
+  is issued (at most two in flight). A pending functional collective keeps its
+  full-size input alive until its wait (and gloo's reduce-scatter adds a
+  full-size all-reduce buffer), so waits at the end of backward kept every
+  unit's whole gradient alive until then. (The compiler has done the same
+  since ``passes/limit_reductions_in_flight.py``, waiting before the next issue.)
 - ``--updates-after-reduction``: also move each flat parameter's optimizer update
   to just after its reduction's wait (dependencies first, in-place order kept),
   so its gradient shard dies there instead of living to the end of the step.
+- ``--reduce-scatter-as-all-to-all``: each gloo reduce-scatter as an all-to-all
+  of the N blocks plus a local sum: half the bytes gloo sends.
+- ``--skip-division-by-one``: at N = 1, drop the averaging of gradients by 1.
 
 Check that a rewrite keeps the numbers: the loss it prints must equal the one
 without it.
+
+``--retention`` measures, on 2 ranks, the memory a functional reduce-scatter and
+all-gather on gloo hold between issue and wait, after the caller has dropped
+its input: the reason late waits cost memory.
 """
 
 from __future__ import annotations
@@ -68,6 +80,50 @@ def early_reduce_waits(gm: fx.GraphModule) -> fx.GraphModule:
         if wait is not None:
             following.append(wait)
     gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace each gloo reduce-scatter by an all-to-all of the N blocks and a local sum over them.
+
+    torch 2.13's gloo runs ``reduce_scatter_tensor`` as a whole all-reduce
+    (``2(N-1)/N`` of the buffer on the wire); an all-to-all sends each block to
+    the rank that keeps it, ``(N-1)/N``, and the sum happens where it lands.
+    """
+    c10d = torch.ops._c10d_functional
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not c10d.reduce_scatter_tensor.default:
+            continue
+        buffer, _op, size, group = node.args
+        block = node.meta["val"].shape[0]
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        with graph.inserting_before(node):
+            exchanged = graph.call_function(c10d.all_to_all_single.default, (buffer, [block] * size, [block] * size,
+                                                                              group))
+        exchanged.meta = dict(node.meta)
+        node.replace_all_uses_with(exchanged)
+        graph.erase_node(node)
+        for wait in waits:
+            with graph.inserting_after(wait):
+                blocks = graph.call_function(torch.ops.aten.view.default, (wait, [size, block]))
+            with graph.inserting_after(blocks):
+                summed = graph.call_function(torch.ops.aten.sum.dim_IntList, (blocks, [0]))
+            wait.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not blocks)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def skip_division_by_one(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop the gradient averaging (``/ N``) where N is 1: a full pass over every gradient that changes nothing."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if _kind(node) == "average" and node.args and node.args[1] == 1:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.lint()
     gm.recompile()
     return gm
 
@@ -170,7 +226,7 @@ class _Timeline(fx.Interpreter):
 
 
 def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bool, profile: bool,
-             steps: int) -> dict:
+             steps: int, all_to_all: bool = False, skip_average: bool = False) -> dict:
     torch.set_num_threads(1)
     _, own_group = _join_group(RunSpec(SIZES[size], (mode,), ctx.world_size), ctx)  # gloo: no swap to undo
     spec = RunSpec(SIZES[size], (mode,), ctx.world_size, warmup=1, steps=steps)
@@ -184,16 +240,22 @@ def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bo
         step._graph = early_reduce_waits(step._graph)
     if updates:
         step._graph = updates_after_reduction(step._graph)
-    losses, times = [], []
+    if all_to_all:
+        step._graph = reduce_scatter_as_all_to_all(step._graph)
+    if skip_average:
+        step._graph = skip_division_by_one(step._graph)
+    losses, times, cpu = [], [], []
     for batch in batches[:-1]:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         losses.append(float(trainer.step(batch)))
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     gc.collect()
     state = memory_in_use() - base
     with StepProbe() as probe:
         losses.append(float(trainer.step(batches[-1])))
-    out = {"state": state, "peak": probe.peak - base, "losses": losses, "step": statistics.median(times[1:] or times)}
+    out = {"state": state, "peak": probe.peak - base, "losses": losses, "step": statistics.median(times[1:] or times),
+           "cpu": statistics.median(cpu[1:] or cpu)}
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -201,7 +263,6 @@ def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bo
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             trainer.step(batches[0])
         out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        out["by_shape"] = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
     if own_group:
         torch.distributed.destroy_process_group()
     if timeline:
@@ -216,6 +277,33 @@ def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bo
     return out
 
 
+def retention(ctx, mib: int = 100) -> dict[str, int]:
+    """MiB in use around one functional reduce-scatter and one all-gather of ``mib`` MiB on gloo."""
+    group = torch.distributed.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+    n = ctx.world_size
+    base = memory_in_use()
+    points = {}
+    x = torch.ones(mib * MiB // 4)
+    out = c10d.reduce_scatter_tensor(x, "sum", n, group)
+    points["reduce-scatter issued (input, output, gloo's buffer)"] = memory_in_use()
+    del x
+    time.sleep(1.0)  # long done by now
+    points["input dropped, done, not waited"] = memory_in_use()
+    out = c10d.wait_tensor(out)
+    points["reduce-scatter waited"] = memory_in_use()
+    del out
+    y = torch.ones(mib * MiB // 4)
+    gathered = c10d.all_gather_into_tensor(y, n, group)
+    points[f"all-gather of {mib} MiB issued"] = memory_in_use()
+    del y
+    time.sleep(1.0)
+    points["shard dropped, done, not waited"] = memory_in_use()
+    gathered = c10d.wait_tensor(gathered)
+    points["all-gather waited"] = memory_in_use()
+    return {k: round((v - base) / MiB) for k, v in points.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.diagnose", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="10M", choices=list(SIZES))
@@ -227,20 +315,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--early-reduce-waits", action="store_true")
     p.add_argument("--updates-after-reduction", action="store_true")
     p.add_argument("--timeline", action="store_true", help="memory after every graph node (an fx.Interpreter run)")
+    p.add_argument("--reduce-scatter-as-all-to-all", action="store_true",
+                   help="what-if: each reduce-scatter as an all-to-all plus a local sum (half gloo's bytes)")
+    p.add_argument("--skip-division-by-one", action="store_true",
+                   help="what-if: at N = 1, drop the gradient averaging by 1")
+    p.add_argument("--retention", action="store_true", help="what pending gloo collectives hold (2 ranks)")
     args = p.parse_args(argv)
-    if args.mode not in SHARDLANG_MODES and (args.early_reduce_waits or args.updates_after_reduction or args.timeline):
-        p.error(f"--early-reduce-waits, --updates-after-reduction and --timeline need a shardlang mode, not {args.mode}")
+    if args.retention:
+        with WorkerPool(2, threads=1) as pool:
+            for what, used in pool.run(retention)[0].items():
+                print(f"{used:6d} MiB  {what}")
+        return 0
+    rewrites = (args.early_reduce_waits or args.updates_after_reduction or args.reduce_scatter_as_all_to_all
+                or args.skip_division_by_one)
+    if args.mode not in SHARDLANG_MODES and (rewrites or args.timeline):
+        p.error(f"the what-if rewrites and --timeline need a shardlang mode, not {args.mode}")
     with WorkerPool(args.world, threads=1, timeout=None) as pool:
         pool.run(diagnose, "tiny", args.mode, False, False, False, False, 1)  # imports, one-time caches
         out = pool.run(diagnose, args.size, args.mode, args.early_reduce_waits, args.updates_after_reduction,
-                       args.timeline, args.profile, args.steps)[0]
+                       args.timeline, args.profile, args.steps, args.reduce_scatter_as_all_to_all,
+                       args.skip_division_by_one)[0]
     print(f"{args.size} N={args.world} {args.mode} early_reduce_waits={args.early_reduce_waits} "
-          f"updates_after_reduction={args.updates_after_reduction}")
-    print(f"state {out['state'] / MiB:.1f} MiB, peak {out['peak'] / MiB:.1f} MiB, step {out['step']:.3f} s, "
+          f"updates_after_reduction={args.updates_after_reduction} "
+          f"reduce_scatter_as_all_to_all={args.reduce_scatter_as_all_to_all}")
+    print(f"state {out['state'] / MiB:.1f} MiB, peak {out['peak'] / MiB:.1f} MiB, step {out['step']:.3f} s "
+          f"(CPU {out['cpu']:.3f} s), "
           f"losses {' '.join(f'{x:.6f}' for x in out['losses'])}")
     if args.profile:
         print(out["profile"])
-        print(out["by_shape"])
     if args.timeline:
         samples = out["timeline"]
         top = max(range(len(samples)), key=lambda i: samples[i][2])

@@ -11,6 +11,8 @@ AdamW at the same hyperparameters:
   shardlang's other strategies (`shardlang.strategy`): parameters kept from forward
   to backward; whole parameters with sharded optimizer state; nothing sharded.
   At N = 1 every strategy is the same program, so only ``shardlang`` runs there.
+- ``shardlang-rs-a2a``: a what-if, not run by default: ``shardlang`` with each
+  reduce-scatter replaced by an all-to-all and a local sum (`diagnose`).
 - ``fsdp2``: ``fully_shard`` on each transformer block and on the root, defaults.
 - ``ddp``: ``DistributedDataParallel``, defaults.
 
@@ -50,8 +52,12 @@ from shardlang.runtime.dist import Backend, DistContext
 
 from .probes import StepProbe, bytes_written, give_memory_back, memory_in_use
 
-MODES = ("single", "shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp")
-STRATEGIES = {"shardlang": "ZeRO3", "shardlang-zero2": "ZeRO2", "shardlang-zero1": "ZeRO1", "shardlang-ddp": "DDP"}
+MODES = ("single", "shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp",
+         "shardlang-rs-a2a")
+STRATEGIES = {"shardlang": "ZeRO3", "shardlang-zero2": "ZeRO2", "shardlang-zero1": "ZeRO1", "shardlang-ddp": "DDP",
+              "shardlang-rs-a2a": "ZeRO3"}
+#: What-ifs, not shardlang as it is: a benchmark rewrite of the bound graph (see `diagnose`), never run by default.
+WHAT_IFS = ("shardlang-rs-a2a",)
 SHARDLANG_MODES = tuple(STRATEGIES)
 PEER_MODES = ("fsdp2", "ddp")
 GLOO, FAKE = "gloo", "fake"
@@ -150,6 +156,10 @@ class ShardlangTrainer:
             self.step_fn = sl.compile(model, lm_loss, sl_spec, example_batch=example, dist_context=ctx,
                                       optimizer=sl.AdamW(lr=spec.lr, weight_decay=spec.weight_decay))
         self.compile_s = time.perf_counter() - started
+        if mode == "shardlang-rs-a2a":
+            from .diagnose import reduce_scatter_as_all_to_all
+
+            self.step_fn._graph = reduce_scatter_as_all_to_all(self.step_fn._graph)
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step_fn(batch)

@@ -28,7 +28,8 @@ import statistics
 from pathlib import Path
 
 MiB = 2**20
-RING = {"all_gather": "gather", "reduce_scatter": "gather", "broadcast": "gather", "all_reduce": "reduce"}
+RING = {"all_gather": "gather", "reduce_scatter": "gather", "broadcast": "gather", "all_to_all": "gather",
+        "all_reduce": "reduce"}
 LOSS_TOLERANCE = 1e-4  # relative; float32 with AdamW, a few steps (see docs/benchmarks.md)
 TIME_AIM = 0.8
 SINGLE_SLACK = 1.05
@@ -175,7 +176,8 @@ def render_markdown(results: dict) -> str:
     """The time table, the memory and communication table, and the targets, as Markdown."""
     rows = results["summary"]["rows"]
     lines = ["## Time", "",
-             "| model | N | mode | step (median) | spread (min-max) | tokens/s | CPU s/step/rank | exposed comm | loss |",
+             "| model | N | mode | step (median) | spread (min-max) | tokens/s | CPU s/step/rank | exposed comm "
+             "| loss |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         exposed = "-" if r["exposed"] is None else f"{r['exposed']:.0%}"
@@ -200,8 +202,12 @@ def render_markdown(results: dict) -> str:
     for t in results["summary"]["targets"]:
         lines.append(f"- {'MET' if t['met'] else 'MISSED'}: {t['target']}, {t['size']} N={t['world']}: {t['detail']}")
     m = results["machine"]
+    commit = f"; shardlang at {m['commit']}" if m.get("commit") else ""
+    if not results["settings"].get("prime", True):
+        lines += ["", "Not primed (--no-prime or --quick): the first mode built in each pool is charged the one-time "
+                      "imports and caches (tens of MiB) in its state and peak."]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, "
-              f"Python {m['python']}; load average at start {m['loadavg_start'][0]:.2f}. "
+              f"Python {m['python']}{commit}; load average at start {m['loadavg_start'][0]:.2f}. "
               f"Command: `{results['command']}` ({results['wall_s']} s).", ""]
     return "\n".join(lines)
 
@@ -227,8 +233,8 @@ def write_plot(results: dict, path: Path) -> Path | None:
             pts = sorted((r for r in mine if r["mode"] == mode), key=lambda r: r["world"])
             xs = [r["world"] for r in pts]
             style = {"marker": "o" if mode != "single" else "*", "markersize": 6 if mode != "single" else 12}
-            axes[0][col].errorbar(xs, [r["step"] for r in pts], label=mode, capsize=3, **style,
-                                  yerr=[[r["step"] - r["step_min"] for r in pts], [r["step_max"] - r["step"] for r in pts]])
+            spread = [[r["step"] - r["step_min"] for r in pts], [r["step_max"] - r["step"] for r in pts]]
+            axes[0][col].errorbar(xs, [r["step"] for r in pts], yerr=spread, label=mode, capsize=3, **style)
             axes[1][col].plot(xs, [r["peak"] / MiB for r in pts], label=mode, **style)
         floors = [results["sizes"][size]["reference"][str(n)]["floor"] / MiB for n in worlds]
         axes[1][col].plot(worlds, floors, "k--", label="floor 16P/N + unit + activations")
