@@ -1,10 +1,8 @@
-"""The compiled step a rank runs: its shards, its optimizer state, and the bound graph.
+"""The compiled step a rank runs: the bound graph over this rank's `TrainState`.
 
-Note [initialisation]: every rank builds the same full model (same seed), cuts
-its own shards from it and drops the rest. Parameters therefore start equal to
-what one process would have, which is what the parity tests rely on. (Building
-on the meta device and materialising only shards is the way to models that do
-not fit on a rank; it is not done yet.)
+The state (shards, optimizer state, step count, lr inputs, buffers) lives in
+`shardlang.state` (Note [one state, many graphs]); the step binds the compiled
+graph to this rank's process groups and runs it on that state.
 """
 
 from __future__ import annotations
@@ -17,14 +15,15 @@ import torch.distributed as dist
 from .batch import batch_leaves
 from .compiler.compile import CompiledStep
 from .compiler.emit import WORLD_AXIS, bind, group_keys
-from .compiler.flat import shard_of, unpack_member
-from .compiler.optim import hyper_name, hyper_tensors, init_state
+from .compiler.flat import unpack_member
+from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError
 from .lr import LRSchedule
 from .random_state import StepRandom
 from .runtime.dist import DistContext
 from .runtime.groups import mesh_groups
+from .state import TrainState
 
 
 class Step:
@@ -37,8 +36,8 @@ class Step:
         loss = step(batch)
     """
 
-    def __init__(self, compiled: CompiledStep, model: torch.nn.Module, optimizer, ctx: DistContext,
-                 lr_schedule=None):
+    def __init__(self, compiled: CompiledStep, model: torch.nn.Module | None, optimizer, ctx: DistContext,
+                 lr_schedule=None, state: TrainState | None = None):
         self.compiled = compiled
         self.optimizer = optimizer
         self.dist = ctx
@@ -48,20 +47,34 @@ class Step:
         self._groups = self._make_groups(ctx)
         names = {key: group.group_name for key, group in self._groups.items()} if ctx.has_process_group else None
         self._graph = bind(compiled.graph_module, names, self._mesh_coordinate())
-        named = dict(model.named_parameters())
-        device = ctx.device
-        self.flat_tensors = [shard_of(f, named, self._coordinate(f)).to(device).clone() for f in compiled.flats]
-        self.optimizer_state = [s for f, t in zip(compiled.flats, self.flat_tensors) if f.trainable
-                                for s in init_state(compiled.traced.optimizer, self._optimizer_shard(f, t), f)]
-        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
-        self.hyper = {k: v.to(device) for k, v in hyper_tensors(compiled.traced.optimizer).items()}
+        self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
+                                                      self._optimizer_shard)
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
-        self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, device)
+        self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, ctx.device)
         self.grad_norm: torch.Tensor | None = None  # with clip_grad_norm: the last step's norm before clipping
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
-        self.buffers = [b.detach().clone().to(device) for b in model.buffers()]
-        self._buffer_names = [n for n, _ in model.named_buffers()]
+
+    # The state's tensors, by the names the step has always had (Note [one state, many graphs]).
+    @property
+    def flat_tensors(self) -> list[torch.Tensor]:
+        return self.state.flat_tensors
+
+    @property
+    def optimizer_state(self) -> list[torch.Tensor]:
+        return self.state.optimizer_state
+
+    @property
+    def step_count(self) -> torch.Tensor:
+        return self.state.step_count
+
+    @property
+    def hyper(self) -> dict[str, torch.Tensor]:
+        return self.state.hyper
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self.state.buffers
 
     @property
     def schedule(self) -> Schedule:
@@ -86,8 +99,7 @@ class Step:
     def graph_inputs(self, batch) -> list:
         """The bound graph's arguments for one step on the per-rank ``batch`` (for profilers and memory checks)."""
         leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
-        return [*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(), *self.buffers,
-                *leaves]
+        return [*self.state.graph_inputs(), *leaves]
 
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate for the next steps (no retracing: lr is a graph input).
@@ -131,7 +143,7 @@ class Step:
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """The module's buffers on this rank, by name."""
-        return dict(zip(self._buffer_names, self.buffers))
+        return dict(zip(self.state.buffer_names, self.state.buffers))
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy the trained parameters and buffers into ``model`` (a collective: call it on every rank)."""

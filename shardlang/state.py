@@ -1,0 +1,83 @@
+"""The training state a rank holds between steps, apart from the graphs that read it.
+
+Note [one state, many graphs]: a `TrainState` is the only holder of a rank's
+trained bytes: its parameter storage for every flat parameter (a shard, or
+the whole under ZeRO-1/DDP), the optimizer state of the trainable ones, the
+update count, the hyperparameter inputs (lr) and the module's buffers. Every
+graph a step binds (the training step, and graphs for other batch shapes or
+for evaluation) reads and mutates these same tensors in place, in the order of
+`compiler.trace` (FLAT, STATE, STEP, HYPER, BUFFER). Nothing else keeps a
+copy: checkpoints read and write the state here, and the user's module is not
+a second holder (docs/architecture.md, "Who holds which bytes").
+
+Note [initialisation]: `TrainState.from_module` cuts this rank's shards from a
+module that holds full values. Every rank builds the same model (same seed),
+so parameters start equal to what one process would have, which is what the
+parity tests rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .compiler.compile import CompiledStep
+from .compiler.flat import FlatParam, shard_of
+from .compiler.optim import hyper_tensors, init_state
+
+
+class TrainState:
+    """One rank's parameter storage, optimizer state, step count, hyperparameters and buffers.
+
+    Example::
+
+        state = TrainState.from_module(compiled, model, coordinate, torch.device("cpu"))
+        state.graph_inputs()     # the leading arguments of every graph bound to this state
+    """
+
+    def __init__(self, flat_tensors: list[torch.Tensor], optimizer_state: list[torch.Tensor],
+                 step_count: torch.Tensor, hyper: dict[str, torch.Tensor], buffers: list[torch.Tensor],
+                 buffer_names: list[str]):
+        self.flat_tensors = flat_tensors
+        self.optimizer_state = optimizer_state
+        self.step_count = step_count
+        self.hyper = hyper
+        self.buffers = buffers
+        self.buffer_names = buffer_names
+
+    @classmethod
+    def from_module(cls, compiled: CompiledStep, model: torch.nn.Module, coordinate: Callable[[FlatParam], int],
+                    device: torch.device, optimizer_shard: Callable[[FlatParam, torch.Tensor], torch.Tensor]
+                    ) -> TrainState:
+        """Cut this rank's state from ``model``'s full parameters and buffers (Note [initialisation]).
+
+        ``coordinate(flat)`` is which shard of ``flat`` this rank holds;
+        ``optimizer_shard(flat, held)`` the part of the held storage its
+        optimizer updates (under ZeRO-1 a slice of the whole).
+        """
+        named = dict(model.named_parameters())
+        flats = [shard_of(f, named, coordinate(f)).to(device).clone() for f in compiled.flats]
+        buffers = [b.detach().clone().to(device) for b in model.buffers()]
+        return cls.fresh(compiled, flats, buffers, [n for n, _ in model.named_buffers()], device, optimizer_shard)
+
+    @classmethod
+    def fresh(cls, compiled: CompiledStep, flat_tensors: list[torch.Tensor], buffers: list[torch.Tensor],
+              buffer_names: list[str], device: torch.device,
+              optimizer_shard: Callable[[FlatParam, torch.Tensor], torch.Tensor]) -> TrainState:
+        """A state at step 0 around parameter storage and buffers already on ``device``: zero optimizer state."""
+        optimizer = compiled.traced.optimizer
+        optimizer_state = [s for f, t in zip(compiled.flats, flat_tensors) if f.trainable
+                           for s in init_state(optimizer, optimizer_shard(f, t), f)]
+        step_count = torch.zeros((), dtype=torch.float64, device=device)
+        hyper = {k: v.to(device) for k, v in hyper_tensors(optimizer).items()}
+        return cls(flat_tensors, optimizer_state, step_count, hyper, buffers, buffer_names)
+
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """The state's tensors in graph-input order (FLAT, STATE, STEP, HYPER, BUFFER); the batch follows."""
+        return [*self.flat_tensors, *self.optimizer_state, self.step_count, *self.hyper.values(), *self.buffers]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this rank's state holds."""
+        return sum(t.numel() * t.element_size() for t in self.graph_inputs())
