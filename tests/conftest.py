@@ -17,7 +17,7 @@ results in rank order (``ctx`` is a `shardlang.runtime.DistContext`)::
   ShardlangRuntimeError) naming the rank, with its traceback. If the failure broke
   the pool (a rank died, hung, or was stopped while waiting for a failed peer), the
   next ``run_on`` starts a fresh one; otherwise the pool recovered (see
-  `shardlang.runtime.launcher`, Note [pool states]).
+  `shardlang.runtime.worker_pool`, Note [pool states]).
 - ``pools`` (a `shardlang.runtime.WorkerPools`) gives the pools themselves.
 
 Where worker functions live: ``tests/`` is deliberately not a package. pytest's

@@ -26,9 +26,12 @@ from shardlang.runtime import (
     WorkerError,
     WorkerPool,
     dist as sl_dist,
+    failures,
     init_from_env,
     launcher,
     read_env,
+    worker,
+    worker_pool,
     world_group_name,
 )
 
@@ -201,5 +204,5 @@ def test_bad_arguments_name_the_value():
 
 
 def test_docstring_examples_hold():
-    for module in (sl_dist, launcher):
+    for module in (sl_dist, launcher, failures, worker, worker_pool):
         assert doctest.testmod(module).failed == 0, module.__name__

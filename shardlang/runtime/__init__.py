@@ -2,7 +2,8 @@
 
 `dist` sets up torch.distributed (from torchrun's environment, or for the local
 launcher); `launcher` starts ranks on this machine, once (`launch`) or as a
-reusable pool (`WorkerPool`, `WorkerPools`).
+reusable pool (`WorkerPool`, `WorkerPools`, in `worker_pool`); `worker` is what
+each spawned rank runs and `failures` how a job on them fails (`WorkerError`).
 
 Example::
 
