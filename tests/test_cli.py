@@ -7,6 +7,8 @@ same code path, are checked in-process through `main`.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import os
 import re
@@ -19,7 +21,7 @@ import torch
 
 import shardlang as sl
 from shardlang import cli
-from shardlang.cli import main
+from shardlang.cli import args as cli_args, common as cli_common, main
 from shardlang.job import build, global_batch, load_job, reference_optimizer
 from shardlang.runtime.launcher import FailureKind, PoolState, RankFailure, WorkerError
 
@@ -166,6 +168,22 @@ def test_rank_errors_of_shardlang_are_one_line_others_keep_tracebacks():
     died = RankFailure(0, FailureKind.DIED, "with exit code 9", "")
     assert cli._own_error_line(WorkerError("job", (died,), (), PoolState.BROKEN)) is None
 
+
+
+def test_every_command_module_is_registered_with_add_parser_and_main():
+    # one module per command (docs/architecture.md): a new cli/<name>.py must be listed in cli.COMMANDS
+    shared = {"__init__", "args", "common"}
+    modules = sorted(p.stem for p in (ROOT / "shardlang" / "cli").glob("*.py") if p.stem not in shared)
+    assert sorted(m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS) == modules == ["check", "diff", "plan", "run"]
+    for name in modules:
+        module = importlib.import_module(f"shardlang.cli.{name}")
+        assert callable(module.add_parser) and callable(module.main), name
+        assert module.__doc__.startswith(f'``shardlang {name} '), name
+
+
+def test_cli_docstring_examples_hold():
+    for module in (cli_args, cli_common):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 # ---- job files (in-process) ----------------------------------------------------
 

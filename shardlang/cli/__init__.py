@@ -1,0 +1,113 @@
+"""The command line: ``shardlang run | plan | diff | check`` on a job file (see `shardlang.job`).
+
+- ``shardlang run FILE --nproc N [--trace PATH]``: train on N local CPU ranks
+  (gloo), or on the ranks torchrun started (when WORLD_SIZE is set); rank 0
+  prints the global loss of each step, then the schedule's summary and table;
+  with ``--trace``, the last steps are profiled into a Chrome trace whose ranges
+  carry the schedule's op names (`shardlang.profile`).
+- ``shardlang plan FILE --world N [--json] [--chrome-trace PATH] [--plot PNG]``:
+  compile for N ranks with fake tensors, no processes; print the plan (schedule,
+  memory per op and its peak, communication against the formulas, predicted
+  time), or one JSON object (`Plan.to_dict`); write the predicted timeline as a
+  Chrome trace, or memory over the schedule as a picture.
+- ``shardlang diff A B``: compare two plans (job files planned here, or saved
+  ``plan --json`` files): what moved, the bytes, the peak, the predicted time.
+- ``shardlang check FILE --world-sizes 1,2,4``: train sharded at each world size
+  and once in one process with ``torch.optim`` on the same global batches;
+  compare the parameters; exit 1 when a world size is outside the tolerance.
+
+One module per command (`run`, `plan`, `diff`, `check`), each with
+``add_parser(subparsers)`` and ``main(args) -> int``; `COMMANDS` registers them.
+`args` holds the argument types, `common` what the commands share. To add a
+command, write ``cli/<name>.py`` with those two functions and list it in
+`COMMANDS`.
+
+Exit codes: 0 success; 1 a check failed, or a rank failed unexpectedly (its
+traceback is printed); 2 bad input (arguments, job file, spec, batch), reported
+as one ``shardlang: error: ...`` line.
+
+Example::
+
+    $ shardlang plan examples/gpt.py --world 64 --json | jq .bytes_per_rank
+    $ torchrun --nproc-per-node 4 -m shardlang run examples/gpt.py --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import ShardlangError
+from ..runtime.launcher import FailureKind, WorkerError
+from . import check, diff, plan, run
+from .check import TOLERANCES, max_relative_difference, tolerance
+
+COMMANDS = (run, plan, diff, check)  # in the order ``shardlang --help`` lists them
+
+__all__ = ["COMMANDS", "TOLERANCES", "main", "max_relative_difference", "tolerance"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failed, 2 bad input).
+
+    Example::
+
+        >>> main(["plan", "examples/mlp.py", "--world", "2"])   # doctest: +SKIP
+        0
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return args.command(args)
+    except WorkerError as exc:
+        line = _own_error_line(exc)
+        if line is None:
+            print(f"shardlang: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"shardlang: error: {line}", file=sys.stderr)
+        return 2
+    except ShardlangError as exc:
+        print(f"shardlang: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `shardlang plan ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``shardlang: error: ...``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"shardlang: error: {message} (see '{self.prog} --help')\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shardlang", description="Train, plan and check sharded training jobs.")
+    verbs = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.add_parser(verbs)
+    return parser
+
+
+def _own_error_line(exc: WorkerError) -> str | None:
+    """One line for a job that failed because ranks raised the same shardlang error; None otherwise.
+
+    The launcher sends back each rank's ``"Type: message"``, not the exception itself,
+    so shardlang's own errors are recognised by their class names.
+    """
+    own = _subclass_names(ShardlangError)
+    causes = [f for f in exc.failures if f.kind is not FailureKind.STOPPED]
+    if not causes or any(f.kind is not FailureKind.RAISED or f.detail.split(":", 1)[0] not in own for f in causes):
+        return None
+    details = dict.fromkeys(f.detail for f in causes)
+    if len(details) != 1:
+        return None
+    ranks = ", ".join(str(f.rank) for f in causes)
+    return f"rank{'s' if len(causes) > 1 else ''} {ranks}: {next(iter(details))}"
+
+
+def _subclass_names(cls: type) -> set[str]:
+    names = {cls.__name__}
+    for sub in cls.__subclasses__():
+        names |= _subclass_names(sub)
+    return names

@@ -1,0 +1,95 @@
+"""Argument types and shared argument groups for the command line.
+
+Each type parses one string and raises ``argparse.ArgumentTypeError`` with a
+message that names the value and what would be valid; the parser turns that
+into one ``shardlang: error: ...`` line (exit 2). `add_model_arguments` and
+`cost_model` are the cost model's knobs, shared by ``plan`` and ``diff``.
+
+Example::
+
+    >>> positive("a number of steps")("3")
+    3
+    >>> world_sizes("1,2,2,4")
+    (1, 2, 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import attrs
+
+from ..compiler import cost
+
+
+def positive(what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; expected an integer >= 1")
+        return value
+
+    return parse
+
+
+def positive_float(what: str):
+    return _float_parser(what, lambda v: v > 0 and v != float("inf"), "a number > 0, e.g. 40e9")
+
+
+def nonnegative_float(what: str):
+    return _float_parser(what, lambda v: v >= 0 and v != float("inf"), "a number >= 0 in seconds, e.g. 5e-6")
+
+
+def _float_parser(what: str, ok, expected: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; expected {expected}")
+        return value
+
+    return parse
+
+
+def world_sizes(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of world sizes; expected comma-separated integers >= 1, e.g. 1,2,4"
+        )
+    return tuple(dict.fromkeys(sizes))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cost model's knobs (docs/plan.md, "The knobs")."""
+    group = parser.add_argument_group("cost model")
+    group.add_argument("--link", choices=sorted(cost.LINKS), default="gloo-loopback",
+                       help="link preset for the alpha-beta model (default gloo-loopback)")
+    group.add_argument("--compute", choices=sorted(cost.COMPUTE), default="cpu",
+                       help="compute preset for the roofline (default cpu)")
+    group.add_argument("--alpha", metavar="SECONDS", type=nonnegative_float("a latency"), default=None,
+                       help="latency of one ring step, overriding the link's")
+    group.add_argument("--bandwidth", metavar="BYTES_PER_S", type=positive_float("a bandwidth"), default=None,
+                       help="bytes per second a rank sends, overriding the link's (e.g. 40e9)")
+    group.add_argument("--flops", metavar="FLOPS_PER_S", type=positive_float("a FLOP rate"), default=None,
+                       help="matmul rate, overriding the compute preset's (e.g. 400e12)")
+
+
+def cost_model(args) -> cost.CostModel:
+    link, device = cost.LINKS[args.link], cost.COMPUTE[args.compute]
+    if args.alpha is not None:
+        link = attrs.evolve(link, alpha_s=args.alpha)
+    if args.bandwidth is not None:
+        link = attrs.evolve(link, bandwidth=args.bandwidth)
+    if args.flops is not None:
+        device = attrs.evolve(device, flops_per_s=args.flops)
+    return cost.CostModel(link=link, compute=device)

@@ -1,0 +1,207 @@
+"""``shardlang check FILE --world-sizes 1,2,4 [--steps K] [--dtype D]``: sharded against torch.optim.
+
+Trains sharded at each world size and once in one process with ``torch.optim``
+on the same global batches, compares the parameters (`max_relative_difference`)
+against the tolerance for the dtype and optimizer (`tolerance`, Note [check
+tolerance]), and exits 1 when a world size is outside it.
+
+Example::
+
+    $ shardlang check examples/mlp.py --world-sizes 1,2 --dtype float64
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import api
+from ..compiler.optim import Adam
+from ..errors import ShardlangRuntimeError, SpecError
+from ..job import Job, build, global_batch, load_job, reference_optimizer
+from ..runtime.dist import DistContext
+from ..runtime.launcher import launch
+from ..training import torch_param_groups
+from .args import positive, world_sizes
+from .common import global_mean, shown, split_for_rank, threads_per_rank
+
+DEFAULT_CHECK_STEPS = 3
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+# Note [check tolerance]: the largest difference `check` accepts between sharded
+# training and the one-process torch.optim reference, by dtype and optimizer. The
+# measure is, per parameter, max|sharded - reference| / max|reference|, and the max
+# over parameters. The two computations differ only in rounding: the order of
+# additions (gradients summed across ranks, then divided) and how the optimizer's
+# factors are grouped. Measured on examples/gpt.py (AdamW, lr 3e-3) and
+# examples/mlp.py (SGD with momentum), world sizes 1, 2, 4, seeds 0-2, 3-20 steps:
+#
+#                 float64                  float32
+#   SGD (mlp)     <= 3.7e-16               <= 5.4e-7
+#   AdamW (gpt)   <= 1.4e-12 (3 steps),    <= 1.2e-3 (3 steps), <= 2.0e-3 (10 steps),
+#                 <= 4.9e-12 (20 steps)    <= 2.9e-3 (20 steps)
+#
+# SGD passes rounding through linearly. Adam and AdamW do not: the update
+# lr * m / (sqrt(v) + eps) has size ~lr whatever the gradient's size, so where the
+# true gradient is zero or nearly so, rounding noise in the gradient becomes a
+# parameter change of order lr with a random sign. The GPT has such gradients
+# exactly: the key part of each attention's qkv bias adds the same q.b to every
+# score of a row, which softmax ignores, so its gradient is pure rounding noise;
+# elements whose gradient crosses zero do the same. Its worst elements are there.
+#
+# Chosen: float64 1e-9 for every optimizer (200x the worst measured; a real bug shows
+# at 1e-4 or more), float32 1e-5 for SGD (20x the worst measured) and 1e-2 for
+# Adam/AdamW (8x the worst measured at the default 3 steps, 3.4x at 20). Real bugs
+# measured against the GPT reference after 3 steps: one rank's gradient only (no
+# reduction) 2.0, the learning rate off by 1% 0.2, gradients summed instead of
+# averaged 1.6e-2 (Adam all but cancels a gradient scale; float64 sees it 7 orders
+# above its tolerance). float32 with Adam is a smoke test, and long float32 checks
+# drift toward the limit; `--dtype float64` is the exact check.
+TOLERANCES = {
+    (torch.float64, False): 1e-9,
+    (torch.float64, True): 1e-9,
+    (torch.float32, False): 1e-5,
+    (torch.float32, True): 1e-2,
+}
+
+
+def tolerance(dtype: torch.dtype, optimizer) -> float | None:
+    """The tolerance of `check` for parameters of ``dtype`` trained with ``optimizer`` (Note [check tolerance]).
+
+    None for a dtype `check` does not compare.
+
+    Example::
+
+        >>> tolerance(torch.float32, sl.SGD(lr=0.1))
+        1e-05
+    """
+    return TOLERANCES.get((dtype, isinstance(optimizer, Adam)))  # AdamW is an Adam
+
+
+def add_parser(subparsers) -> None:
+    """Register ``shardlang check`` on the top-level parser's subparsers."""
+    parser = subparsers.add_parser(
+        "check", help="compare sharded training with one-process torch.optim training",
+        description="Train FILE's job sharded at each world size and in one process with torch.optim on the same "
+                    "global batches; compare the parameters. Exit 1 if any world size is outside the tolerance "
+                    "for the dtype.")
+    parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
+    parser.add_argument("--world-sizes", metavar="N,N,...", type=world_sizes, default=(1, 2, 4),
+                        help="comma-separated world sizes (default 1,2,4)")
+    parser.add_argument("--steps", metavar="K", type=positive("a number of steps"), default=DEFAULT_CHECK_STEPS,
+                        help=f"training steps (default {DEFAULT_CHECK_STEPS})")
+    parser.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="convert the model and floating batch leaves (default: the job's dtype, else as built)")
+    parser.set_defaults(command=main)
+
+
+def main(args) -> int:
+    """Train sharded and with torch.optim, compare, print the table; 0 when every world size passes, else 1."""
+    job = load_job(args.file)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    reference = build(job, args.seed, dtype)
+    model_dtype = _floating_dtype(reference)
+    limit = tolerance(model_dtype, job.optimizer)
+    if limit is None:
+        raise SpecError(f"check compares float32 or float64 parameters; {shown(job.path)} builds {model_dtype}; "
+                        "pass --dtype float32 or --dtype float64")
+    batches = [global_batch(job, k, dtype) for k in range(args.steps)]
+    for world in args.world_sizes:
+        for k, batch in enumerate(batches):
+            split_for_rank(job, batch, world, 0, k)
+
+    print(f"shardlang check {shown(job.path)}: {args.steps} steps, {str(model_dtype).removeprefix('torch.')}, "
+          f"seed {args.seed}, tolerance {limit:.0e}", flush=True)
+    print("  (per parameter max|sharded - reference| / max|reference|, the max over parameters)")
+    ref_losses, ref_params, ref_optimizer = _train_reference(job, reference, batches)
+    print(f"reference: 1 process, torch.optim.{ref_optimizer}, final loss {ref_losses[-1]:.6f}\n")
+    print(f"{'world':<7}{'max rel. param diff':<22}{'final loss':<14}result", flush=True)
+    failed = []
+    for world in args.world_sizes:
+        if world == 1:
+            losses, params = _train_sharded(DistContext.single(), job, batches, args.seed, dtype)
+        else:
+            losses, params = launch(_check_rank, world, str(job.path), batches, args.seed, args.dtype,
+                                    timeout=None, threads=threads_per_rank(world))[0]
+        diff = max_relative_difference(params, ref_params)
+        passed = diff <= limit  # False for NaN
+        if not passed:
+            failed.append(world)
+        print(f"{world:<7}{diff:<22.3e}{losses[-1]:<14.6f}{'PASS' if passed else 'FAIL'}", flush=True)
+    if failed:
+        print(f"\nFAIL: world size{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+              f"differ from the reference by more than {limit:.0e}")
+        return 1
+    print("\nPASS")
+    return 0
+
+
+def _check_rank(ctx: DistContext, path: str, batches: list, seed: int, dtype_name: str | None):
+    """One rank of ``shardlang check`` (module level: the launcher pickles it by reference)."""
+    dtype = DTYPES[dtype_name] if dtype_name else None
+    return _train_sharded(ctx, load_job(path), batches, seed, dtype)
+
+
+def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: torch.dtype | None):
+    """Train on the given global batches; rank 0 returns (global losses, full parameters), others None."""
+    model = build(job, seed, dtype)
+    example = split_for_rank(job, batches[0], ctx.world_size, ctx.rank, 0)
+    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
+                       lr_schedule=job.lr_schedule)
+    losses = [global_mean(step(split_for_rank(job, b, ctx.world_size, ctx.rank, k)), ctx)
+              for k, b in enumerate(batches)]
+    params = {name: p.cpu() for name, p in step.full_parameters().items()}  # a collective: every rank calls it
+    return (losses, params) if ctx.is_main else None
+
+
+def _train_reference(job: Job, model: torch.nn.Module, batches: list):
+    """One process, torch.optim, the whole global batch per step: (losses, parameters by name, optimizer name)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = reference_optimizer(job.optimizer, torch_param_groups(trainable, job.spec.param_groups))
+    clip = job.spec.options.clip_grad_norm
+    scheduler = job.lr_schedule(optimizer) if job.lr_schedule is not None else None
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.spec.options.seed)  # what every rank's generator starts from under random="global"
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = job.loss_fn(model, batch)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for _, p in trainable], clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(float(loss.detach()))
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, type(optimizer).__name__
+
+
+def max_relative_difference(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Max over parameters of ``max|a - b| / max|b|`` (``max|a - b|`` where the reference is all zero).
+
+    Example::
+
+        >>> max_relative_difference({"w": torch.tensor([1.0, 2.2])}, {"w": torch.tensor([1.0, 2.0])})
+        0.1...
+    """
+    missing = sorted(set(reference) - set(params))
+    if missing:
+        raise ShardlangRuntimeError(f"the sharded step returned no value for parameters {missing}")
+    worst = 0.0
+    for name, ref in reference.items():
+        if ref.numel() == 0:
+            continue
+        ref64, got64 = ref.detach().to(torch.float64), params[name].detach().to(torch.float64)
+        scale = float(ref64.abs().max()) or 1.0
+        diff = float((got64 - ref64).abs().max()) / scale
+        if diff != diff:  # NaN: report it, never hide it behind max()
+            return diff
+        worst = max(worst, diff)
+    return worst
+
+
+def _floating_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()

@@ -1,0 +1,58 @@
+"""Helpers shared by the commands: loading a job and splitting its batches, output, threads.
+
+Example::
+
+    >>> threads_per_rank(10**6)
+    1
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..batch import split_batch
+from ..errors import ShardlangRuntimeError
+from ..job import Job, global_batch, load_job
+from ..runtime.dist import DistContext
+
+
+def load_checked(path: str, world: int) -> Job:
+    """Load the job and check that its first global batch splits over ``world`` ranks, before any rank starts."""
+    job = load_job(path)
+    split_for_rank(job, global_batch(job, 0), world, 0, 0)
+    return job
+
+
+def split_for_rank(job: Job, batch, world: int, rank: int, step: int):
+    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks; an error names the job and the step."""
+    try:
+        return split_batch(batch, world, rank)
+    except ShardlangRuntimeError as exc:
+        raise ShardlangRuntimeError(f"{shown(job.path)}: make_batch({step}): {exc}") from exc
+
+
+def global_mean(loss: torch.Tensor, ctx: DistContext) -> float:
+    """The mean of the ranks' local losses: the global batch's loss (equal per-rank batches, mean-reduced loss)."""
+    value = loss.detach().to(torch.float64).reshape(())
+    if ctx.has_process_group:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= ctx.world_size
+    return float(value)
+
+
+def threads_per_rank(nproc: int) -> int:
+    """Torch threads for each of ``nproc`` local ranks: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,133 @@
+"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH]``: train a job.
+
+Trains on N local CPU ranks (gloo), or on the ranks torchrun started (when
+WORLD_SIZE is set); rank 0 prints the global loss of each step, then the
+schedule's summary and table. With ``--trace``, the last steps are profiled into
+a Chrome trace whose ranges carry the schedule's op names (`shardlang.profile`).
+
+Example::
+
+    $ shardlang run examples/mlp.py --nproc 2 --steps 3
+    $ torchrun --nproc-per-node 4 -m shardlang run examples/gpt.py --steps 100
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .. import api
+from ..errors import SpecError
+from ..job import Job, build, global_batch, load_job
+from ..runtime.dist import DistContext, init_from_env, read_env, shutdown
+from ..runtime.launcher import launch
+from .args import positive
+from .common import global_mean, load_checked, shown, split_for_rank, threads_per_rank
+
+DEFAULT_RUN_STEPS = 5
+TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
+TABLE_ROWS = 40  # `run` keeps its summary to one screen
+
+
+def add_parser(subparsers) -> None:
+    """Register ``shardlang run`` on the top-level parser's subparsers."""
+    parser = subparsers.add_parser(
+        "run", help="train a job on N local CPU ranks (or under torchrun)",
+        description="Train FILE's job sharded over N ranks; rank 0 prints the global loss per step and the "
+                    "schedule. Under torchrun (WORLD_SIZE set) the ranks are torchrun's and --nproc, if given, "
+                    "must equal WORLD_SIZE.")
+    parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
+    parser.add_argument("--nproc", metavar="N", type=positive("a number of ranks"), default=None,
+                        help="number of ranks (default: WORLD_SIZE under torchrun, else 1)")
+    parser.add_argument("--steps", metavar="K", type=positive("a number of steps"), default=DEFAULT_RUN_STEPS,
+                        help=f"training steps (default {DEFAULT_RUN_STEPS})")
+    parser.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
+    parser.add_argument("--trace", metavar="PATH", default=None,
+                        help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
+                             "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
+    parser.set_defaults(command=main)
+
+
+def main(args) -> int:
+    """Train the job (``args`` from `add_parser`); the exit code."""
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
+        world = read_env().world_size
+        if args.nproc is not None and args.nproc != world:
+            raise SpecError(f"--nproc {args.nproc} disagrees with WORLD_SIZE={world} set by torchrun; "
+                            "drop --nproc or make them equal")
+        job = load_checked(args.file, world)
+        ctx = init_from_env()
+        try:
+            _train(ctx, job, args.steps, args.seed, args.trace)
+        finally:
+            shutdown()
+        return 0
+    nproc = args.nproc or 1
+    job = load_checked(args.file, nproc)
+    trace = str(Path(args.trace).resolve()) if args.trace else None
+    if nproc == 1:
+        _train(DistContext.single(), job, args.steps, args.seed, trace)
+    else:
+        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace,
+               timeout=None, threads=threads_per_rank(nproc), prefix_output=False)
+    return 0
+
+
+def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None) -> None:
+    """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
+    _train(ctx, load_job(path), steps, seed, trace)
+
+
+def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None) -> None:
+    """Compile and train ``steps`` steps on this rank; rank 0 prints the global losses and the schedule.
+
+    With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
+    profiler and each rank writes its Chrome trace (`shardlang.profile`).
+    """
+    say = _printer(ctx)
+    backend = ctx.backend.value if ctx.backend else "no process group"
+    say(f"shardlang run {shown(job.path)}: {ctx.world_size} rank{'s' if ctx.world_size > 1 else ''} "
+        f"({backend}, {ctx.device}), {steps} steps, seed {seed}")
+    started = time.perf_counter()
+    model = build(job, seed)
+    example = split_for_rank(job, global_batch(job, 0), ctx.world_size, ctx.rank, 0)
+    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
+                       lr_schedule=job.lr_schedule)
+    del model  # the step holds this rank's shards
+    say(f"compiled in {time.perf_counter() - started:.2f} s")
+    training = time.perf_counter()
+    traced_from = max(1, steps - TRACED_STEPS) if trace else steps
+    tracing = contextlib.ExitStack()
+    run_step = step
+    for k in range(steps):
+        if k == traced_from and trace:
+            from ..profile import rank_path, trace_steps
+
+            run_step = tracing.enter_context(trace_steps(step, rank_path(trace, ctx.rank)))
+        batch = split_for_rank(job, global_batch(job, k), ctx.world_size, ctx.rank, k)
+        begin = time.perf_counter()
+        loss = run_step(batch)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - begin
+        say(f"step {k + 1}/{steps}  loss {global_mean(loss, ctx):.6f}  time {elapsed * 1e3:.1f} ms"
+            + ("  (profiled)" if run_step is not step else ""))
+    tracing.close()
+    say(f"trained {steps} steps in {time.perf_counter() - training:.2f} s\n")
+    if trace and traced_from < steps:
+        say(f"measured trace of steps {traced_from + 1}-{steps}: {trace}"
+            + (f" (ranks 1-{ctx.world_size - 1}: {shown(rank_path(trace, 1))} ...)" if ctx.world_size > 1 else "")
+            + "\n")
+    say(step.schedule.summary_text() + "\n")
+    say(step.schedule.table(max_rows=TABLE_ROWS))
+
+
+def _printer(ctx: DistContext):
+    """``print`` (flushed) on rank 0; nothing elsewhere."""
+    if not ctx.is_main:
+        return lambda *_args, **_kwargs: None
+    return lambda *args, **kwargs: print(*args, **kwargs, flush=True)
