@@ -24,6 +24,9 @@ The cases, and what each one stresses:
   pooling, then a Linear head; default units (``blocks.0``, ``blocks.1``).
   BatchNorm normalises over the batch it sees, so ``Case.batch_coupled`` is True:
   a rank's loss on its shard is NOT the global-batch loss restricted to it.
+- ``llama_tiny``: examples/llama.py's Llama at its tiny size (whatever LLAMA_SIZE
+  says): RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, an untied
+  head; units ``tok_embeddings``, ``layers.*``, ``output``.
 - ``lora``: LoRA-style adapters (trainable rank-2 ``lora_a``/``lora_b``) on frozen
   ``base`` Linears, and a frozen head; default units ``layers.0``, ``layers.1``.
 """
@@ -43,7 +46,6 @@ from torch import nn
 
 GLOBAL_BATCH = 8
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_GPT_MODULE_NAME = "_shardlang_examples_gpt"
 
 
 @attrs.frozen
@@ -132,19 +134,25 @@ def mlp_batch(step: int, dtype: torch.dtype = torch.float32):
 # ---- gpt_tiny --------------------------------------------------------------
 
 
-def load_gpt_module():
-    """examples/gpt.py as a module (loaded once). It imports shardlang at its top."""
-    module = sys.modules.get(_GPT_MODULE_NAME)
+def load_example(stem: str):
+    """examples/<stem>.py as a module (loaded once). The examples import shardlang at their top."""
+    name = f"_shardlang_examples_{stem}"
+    module = sys.modules.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location(_GPT_MODULE_NAME, EXAMPLES / "gpt.py")
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[_GPT_MODULE_NAME] = module
+        sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
         except BaseException:
-            del sys.modules[_GPT_MODULE_NAME]
+            del sys.modules[name]
             raise
     return module
+
+
+def load_gpt_module():
+    """examples/gpt.py as a module (loaded once)."""
+    return load_example("gpt")
 
 
 GPT_TINY = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -164,6 +172,31 @@ def gpt_batch(step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return load_gpt_module().make_tokens(
         step, batch_size=GLOBAL_BATCH, seq_len=GPT_TINY["block_size"], vocab_size=GPT_TINY["vocab_size"]
     )
+
+
+# ---- llama_tiny ------------------------------------------------------------
+
+
+def load_llama_module():
+    """examples/llama.py as a module (loaded once)."""
+    return load_example("llama")
+
+
+def llama_tiny() -> nn.Module:
+    """examples/llama.py's Llama at the tiny size (``LlamaConfig()``), whatever LLAMA_SIZE says."""
+    llama = load_llama_module()
+    return llama.Llama(llama.LlamaConfig())
+
+
+def llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return load_llama_module().loss_fn(model, tokens)
+
+
+def llama_batch(step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int64 tokens (8, 33); ``dtype`` is unused (there are no float inputs)."""
+    llama = load_llama_module()
+    config = llama.LlamaConfig()
+    return llama.make_tokens(step, GLOBAL_BATCH, config.max_seq_len, config.vocab_size)
 
 
 # ---- prime -----------------------------------------------------------------
@@ -326,6 +359,7 @@ CASES: dict[str, Case] = {
     for c in (
         Case("mlp", mlp, mse_loss, mlp_batch),
         Case("gpt_tiny", gpt_tiny, gpt_loss, gpt_batch, units=("blocks.*",)),
+        Case("llama_tiny", llama_tiny, llama_loss, llama_batch, units=("tok_embeddings", "layers.*", "output")),
         Case("prime", prime_model, prime_loss, prime_batch),
         Case("frozen", frozen_part_model, mse_loss, frozen_batch, units=("adapter", "base", "head")),
         Case("convnet_bn", convnet_bn, classify_loss, convnet_batch, batch_coupled=True),
