@@ -45,3 +45,15 @@ class ScheduleError(CompileError):
 
 class ShardlangRuntimeError(ShardlangError, RuntimeError):
     """Running a compiled step failed: bad batch, mismatched ranks, bad process group."""
+
+
+class CheckpointError(ShardlangRuntimeError):
+    """A checkpoint could not be written or read: another model, a wrong shape, a missing or corrupt file.
+
+    ``path`` is the checkpoint directory (or file) concerned; ``key`` the tensor, when one is to blame.
+    """
+
+    def __init__(self, message: str, *, path=None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key

@@ -20,6 +20,7 @@ from .compiler.optim import SGD, Adam, AdamW
 from .compiler.schedule import OpKind, Schedule
 from .compiler.verify import verify
 from .errors import (
+    CheckpointError,
     CompileError,
     ScheduleError,
     ShardlangError,
@@ -37,7 +38,7 @@ from .step import Step
 from .training import Accumulation, ParamGroup, RandomScheme
 
 __all__ = [
-    "Adam", "AdamW", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
+    "Adam", "AdamW", "CheckpointError", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
     "Rule", "SGD", "Schedule",
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
     "compile", "plan", "replicate", "shard", "split_batch", "verify",

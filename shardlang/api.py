@@ -39,7 +39,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     ctx = dist_context or _current_context()
     optimizer = optimizer or AdamW(lr=1e-3)
     compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
-    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule)
+    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, spec=spec)
 
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,

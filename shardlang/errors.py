@@ -9,6 +9,7 @@ compiler is the lowest layer)::
     ├── CompileError           a compiler pass failed (.pass_name, .passes_before)
     │   └── ScheduleError      the schedule verifier found a broken invariant
     └── ShardlangRuntimeError  running a compiled step failed (also a RuntimeError)
+        └── CheckpointError    a checkpoint could not be written or read (.path, .key)
 
 Example::
 
@@ -21,6 +22,7 @@ Example::
 from __future__ import annotations
 
 from shardlang.compiler.errors import (
+    CheckpointError,
     CompileError,
     ScheduleError,
     ShardlangError,
@@ -30,6 +32,7 @@ from shardlang.compiler.errors import (
 )
 
 __all__ = [
+    "CheckpointError",
     "CompileError",
     "ScheduleError",
     "ShardlangError",

@@ -24,6 +24,7 @@ from .random_state import StepRandom
 from .runtime.dist import DistContext
 from .runtime.groups import mesh_groups
 from .state import TrainState
+from .checkpoint.state_dict import ModelNames
 
 
 class Step:
@@ -37,8 +38,9 @@ class Step:
     """
 
     def __init__(self, compiled: CompiledStep, model: torch.nn.Module | None, optimizer, ctx: DistContext,
-                 lr_schedule=None, state: TrainState | None = None):
+                 lr_schedule=None, state: TrainState | None = None, spec=None):
         self.compiled = compiled
+        self.spec = spec  # for the record (checkpoints); the compiled step is what runs
         self.optimizer = optimizer
         self.dist = ctx
         self._check_world(ctx)
@@ -49,6 +51,8 @@ class Step:
         self._graph = bind(compiled.graph_module, names, self._mesh_coordinate())
         self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
                                                       self._optimizer_shard)
+        self.names = (ModelNames.of(model) if model is not None
+                      else ModelNames.of_flats(compiled.flats, self.state.buffer_names))
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
         self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, ctx.device)
         self.grad_norm: torch.Tensor | None = None  # with clip_grad_norm: the last step's norm before clipping
@@ -153,6 +157,39 @@ class Step:
                 p.copy_(params[name])
             for name, b in model.named_buffers():
                 b.copy_(self.full_buffers()[name])
+
+    def save(self, path, *, data_position: int | None = None):
+        """Write a checkpoint of this rank's state to the directory ``path`` (a collective: every rank calls it).
+
+        Every rank writes only its own shards; the directory appears only once complete
+        (docs/checkpoints.md). ``data_position`` (default: the steps done) is given back by `load`.
+
+        Example: ``step.save("ckpt/step-3")``.
+        """
+        from .checkpoint import save
+
+        return save(self, path, data_position=data_position)
+
+    def save_async(self, path, *, data_position: int | None = None):
+        """As `save`, but write in the background: returns an `AsyncSave` (``.wait()``); training may go on.
+
+        The state is copied first, between steps, so later steps do not change what is written.
+        """
+        from .checkpoint import save_async
+
+        return save_async(self, path, data_position=data_position)
+
+    def load(self, path):
+        """Read the checkpoint at ``path`` into this step's state (a collective), whatever layout wrote it.
+
+        Returns a `shardlang.checkpoint.Restored` (``.steps``, ``.data_position``). Example::
+
+            restored = step.load("ckpt/step-3")
+            for k in range(restored.data_position, total): step(batch_for(k))
+        """
+        from .checkpoint import load
+
+        return load(self, path)
 
     def _mesh_coordinate(self) -> dict[str, int]:
         """This rank's coordinate on each mesh axis (row-major over the axes in order)."""

@@ -1,0 +1,311 @@
+"""Save and load a step's state with torch.distributed.checkpoint: every rank its own chunks, atomically.
+
+`save` builds the state dict of Note [checkpoint keys] over the step's own
+storage (views, no copies), writes it with ``dcp.save`` into a temporary
+directory and publishes it (Note [atomic checkpoints]). `save_async` first
+snapshots the state (one copy of the rank's tensors, on the calling thread,
+between two steps), then writes and publishes the snapshot on a background
+thread over a gloo group of its own, so training goes on meanwhile. `load`
+checks the files and the keys, then lets DCP read each rank's chunks straight
+into its storage, resharding from whatever layout and world size wrote them.
+
+Example::
+
+    step.save("ckpt/step-3")                  # what `Step.save` calls
+    restored = step.load("ckpt/step-3")       # Restored(steps=3, data_position=3, world_size=4, ...)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import warnings
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..compiler.optim import hyper_name
+from ..errors import CheckpointError
+from . import store
+from .planner import EntryLoadPlanner, EntrySavePlanner
+from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, from_bytes, meta,
+                         model_entries, optimizer_entries, own_entries, param_groups, set_rng)
+
+
+@attrs.frozen
+class Restored:
+    """What `load` restored: the step count, the data position, and the run that wrote the checkpoint.
+
+    ``foreign`` is True for a checkpoint shardlang did not write (FSDP2's, say): it had
+    no step count, schedule, RNG or data position of shardlang's, so those were derived
+    (the step count from the optimizer's ``step``) or left as they were.
+    """
+
+    path: Path
+    steps: int
+    data_position: int
+    world_size: int | None
+    spec: dict | None
+    foreign: bool
+
+
+@attrs.frozen(eq=False)
+class _Snapshot:
+    """A copy of a rank's state tensors, for a save that runs while training goes on."""
+
+    flat_tensors: list
+    optimizer_state: list
+    step_count: torch.Tensor
+    buffers: list
+    buffer_names: list
+
+    @classmethod
+    def of(cls, state) -> _Snapshot:
+        def copy(ts):
+            return [t.detach().clone() for t in ts]
+
+        return cls(copy(state.flat_tensors), copy(state.optimizer_state), state.step_count.clone(),
+                   copy(state.buffers), list(state.buffer_names))
+
+
+def state_dict(step, data_position: int | None = None, snapshot=None) -> dict:
+    """The state dict `save` writes (Note [checkpoint keys]); over ``snapshot`` when given."""
+    position = step.steps_done if data_position is None else data_position
+    return {
+        "model": model_entries(step, snapshot=snapshot),
+        "optimizer": {"state": optimizer_entries(step, snapshot=snapshot), "param_groups": param_groups(step)},
+        "shardlang": own_entries(step, position, snapshot=snapshot),
+    }
+
+
+def save(step, path, *, data_position: int | None = None) -> Path:
+    """Write ``step``'s state to the checkpoint directory ``path`` (a collective: every rank calls it).
+
+    ``data_position`` is the job's position in its data (default: the steps done).
+    """
+    path = Path(path)
+    _write(state_dict(step, data_position), path, step.dist, group=None)
+    return path
+
+
+class AsyncSave:
+    """A checkpoint being written on a background thread. ``wait()`` returns its path (or raises its error)."""
+
+    def __init__(self, future: concurrent.futures.Future, path: Path):
+        self._future = future
+        self.path = path
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Path:
+        return self._future.result()
+
+
+class _Writer:
+    """One background thread and one gloo group per step for async saves; one save in flight at a time."""
+
+    def __init__(self, ctx):
+        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlang-ckpt")
+        self.pending: AsyncSave | None = None
+
+
+def save_async(step, path, *, data_position: int | None = None) -> AsyncSave:
+    """Snapshot ``step``'s state now and write it in the background (a collective, as `save`).
+
+    A save still in flight is waited for first, so at most one snapshot is held.
+    """
+    writer = step.__dict__.get("_checkpoint_writer")
+    if writer is None:
+        writer = step._checkpoint_writer = _Writer(step.dist)
+    if writer.pending is not None:
+        writer.pending.wait()
+    path = Path(path)
+    sd = state_dict(step, data_position, snapshot=_Snapshot.of(step.state))
+    future = writer.executor.submit(_write, sd, path, step.dist, writer.group)
+    writer.pending = AsyncSave(future, path)
+    return writer.pending
+
+
+def wait_for_saves(step) -> None:
+    """Wait for ``step``'s async save in flight, if any (before exiting, or before reading the directory)."""
+    writer = step.__dict__.get("_checkpoint_writer")
+    if writer is not None and writer.pending is not None:
+        writer.pending.wait()
+
+
+def _write(sd: dict, path: Path, ctx, group) -> Path:
+    tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
+    try:
+        with _quiet(ctx):
+            dcp.save(sd, storage_writer=FileSystemWriter(str(tmp)), planner=EntrySavePlanner(),
+                     process_group=group, no_dist=not ctx.has_process_group)
+    except CheckpointException as exc:
+        raise CheckpointError(f"writing checkpoint {path} failed: {_first_failure(exc)}", path=path) from exc
+    record = json.loads(sd["shardlang"]["meta"])
+    store.publish(path, ctx.rank, ctx.world_size, group, {"steps": record["steps"], "world_size": ctx.world_size})
+    return path
+
+
+def load(step, path) -> Restored:
+    """Read the checkpoint at ``path`` into ``step``'s state (a collective), resharding as needed.
+
+    Raises `CheckpointError` naming the key or file for a checkpoint of another
+    model, a tensor of another shape or dtype, a missing, truncated or corrupt file.
+    """
+    path = Path(path)
+    ctx = step.dist
+    own = (path / store.MANIFEST).is_file()
+    if own:
+        store.verify(path, store.read_manifest(path), ctx.rank, ctx.world_size, None)
+    elif not (path / ".metadata").is_file():
+        store.read_manifest(path)  # raises: not a directory, or an unfinished save
+    reader = FileSystemReader(str(path))
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}", path=path / ".metadata") from None
+    _check_no_extra(saved, step, path)
+    target, optional = _targets(step, saved)
+    try:
+        with _quiet(ctx):
+            dcp.load(target, storage_reader=reader, planner=EntryLoadPlanner(str(path), frozenset(optional)),
+                     no_dist=not ctx.has_process_group)
+    except CheckpointException as exc:
+        raise _unwrap(exc, path) from None
+    return _apply(step, target, saved, path)
+
+
+def _targets(step, saved) -> tuple[dict, set[str]]:
+    """The state dict to load into (views of the step's storage) and the keys a checkpoint may lack."""
+    optim = optimizer_entries(step)
+    optional: set[str] = set()
+    for name, per in optim.items():
+        if "step" in per:
+            key = f"optimizer.state.{name}.step"
+            dtype = saved[key].properties.dtype if key in saved else torch.float32
+            per["step"] = torch.zeros((), dtype=dtype)
+            optional.add(key)
+    groups = param_groups(step)
+    for g, group in enumerate(groups):
+        optional.update(f"optimizer.param_groups.{g}.{k}" for k in group)
+    own: dict[str, object] = {"step_count": torch.zeros((), dtype=torch.float64), "data_position": 0, "meta": "",
+                              "lr_schedule": b""}
+    optional.update(f"shardlang.{k}" for k in own)
+    if step.random is not None:
+        key = next((k for k in (f"shardlang.rng.rank{step.dist.rank}", "shardlang.rng.rank0") if k in saved), None)
+        if key is not None:
+            own["rng"] = {key.rsplit(".", 1)[1]: torch.zeros(tuple(saved[key].size), dtype=torch.uint8)}
+    return {"model": model_entries(step), "optimizer": {"state": optim, "param_groups": groups},
+            "shardlang": own}, optional
+
+
+def _check_no_extra(saved, step, path: Path) -> None:
+    """Tensors the checkpoint has and this model lacks mean another model: an error, not a partial load."""
+    mine = {f"model.{n}" for n in (*step.names.parameters, *step.names.aliases, *step.names.persistent_buffers)}
+    extra = sorted(k for k in saved if k.startswith("model.") and k not in mine)
+    if extra:
+        shown = ", ".join(repr(k) for k in extra[:6]) + (f", ... ({len(extra)} in all)" if len(extra) > 6 else "")
+        raise CheckpointError(f"{path} has tensors this model does not: {shown}; it was written for another model",
+                              path=path, key=extra[0])
+    groups = {k.split(".")[2] for k in saved if k.startswith("optimizer.param_groups.")}
+    expected = len(step.compiled.traced.optimizer.groups)
+    if groups and len(groups) != expected:
+        raise CheckpointError(f"{path} has {len(groups)} optimizer param groups and this step {expected}; the "
+                              "param_groups of the spec must be the same", path=path, key="optimizer.param_groups")
+
+
+def _apply(step, target: dict, saved, path: Path) -> Restored:
+    """After DCP has filled ``target``: the step count, learning rates, schedule, RNG; the `Restored` record."""
+    own = target["shardlang"]
+    foreign = META_KEY not in saved
+    if STEP_KEY in saved:
+        step.state.step_count.copy_(own["step_count"])
+    else:
+        counts = [per["step"] for name, per in target["optimizer"]["state"].items()
+                  if "step" in per and f"optimizer.state.{name}.step" in saved]
+        if counts:
+            step.state.step_count.copy_(counts[0].to(torch.float64))
+    _apply_param_groups(step, target["optimizer"]["param_groups"], saved, path)
+    if step.lr_schedule is not None:
+        if SCHEDULE_KEY in saved:
+            step.lr_schedule.scheduler.load_state_dict(from_bytes(own["lr_schedule"]))
+        for g, name in enumerate(step.lr_schedule.names):
+            group = step.lr_schedule.optimizer.param_groups[g]
+            group["lr"] = float(step.hyper[name])
+            loaded = target["optimizer"]["param_groups"][g]
+            if f"optimizer.param_groups.{g}.initial_lr" in saved:
+                group["initial_lr"] = loaded["initial_lr"]
+    if "rng" in own:
+        set_rng(step.random, next(iter(own["rng"].values())))
+    record = json.loads(own["meta"]) if not foreign else {}
+    steps = step.steps_done
+    return Restored(path=path, steps=steps, data_position=own["data_position"] if DATA_KEY in saved else steps,
+                    world_size=record.get("world_size"), spec=record.get("spec"), foreign=foreign)
+
+
+def _apply_param_groups(step, groups: list[dict], saved, path: Path) -> None:
+    """Each group's lr into the step's lr input; the hyperparameters compiled into the graph must agree."""
+    mine = param_groups(step)
+    for g, (loaded, expected) in enumerate(zip(groups, mine)):
+        def present(k):
+            return f"optimizer.param_groups.{g}.{k}" in saved
+
+        if present("params") and list(loaded["params"]) != expected["params"]:
+            raise CheckpointError(f"{path}: optimizer param group {g} holds {_few(loaded['params'])} there and "
+                                  f"{_few(expected['params'])} here", path=path, key=f"optimizer.param_groups.{g}")
+        for k in HYPER_CHECKED:
+            if k in expected and present(k) and _value(loaded[k]) != _value(expected[k]):
+                raise CheckpointError(
+                    f"{path}: optimizer param group {g} has {k}={loaded[k]!r} there and {expected[k]!r} here; "
+                    "only lr is a graph input, so compile with the checkpoint's value",
+                    path=path, key=f"optimizer.param_groups.{g}.{k}")
+        if present("lr"):
+            step.hyper[hyper_name("lr", g)].fill_(float(loaded["lr"]))
+
+
+def _value(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _few(names) -> str:
+    names = list(names)
+    return "[" + ", ".join(repr(n) for n in names[:4]) + (f", ... ({len(names)} in all)]" if len(names) > 4 else "]")
+
+
+def _quiet(ctx):
+    """Without a process group DCP warns that it assumes one process; that is the intent here."""
+    if ctx.has_process_group:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    return stack
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    failures = getattr(exc, "failures", {}) or {}
+    for rank in sorted(failures):
+        inner = getattr(failures[rank], "exc", failures[rank])
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return str(exc)
+
+
+def _unwrap(exc: CheckpointException, path: Path) -> CheckpointError:
+    """A `CheckpointError` raised in a rank's planner, or one that names the rank and what DCP raised."""
+    failures = getattr(exc, "failures", {}) or {}
+    for rank in sorted(failures):
+        inner = getattr(failures[rank], "exc", None)
+        if isinstance(inner, CheckpointError):
+            return inner
+    return CheckpointError(f"reading checkpoint {path} failed: {_first_failure(exc)}", path=path)
+
+
+__all__ = ["AsyncSave", "Restored", "load", "meta", "save", "save_async", "state_dict", "wait_for_saves"]

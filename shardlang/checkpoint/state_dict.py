@@ -1,0 +1,201 @@
+"""A step's state as the state dict DCP writes and reads, in the key layout FSDP2 users have.
+
+Note [checkpoint keys]: the keys are those of
+``{"model": get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, opt)}``
+saved with ``dcp.save`` (checked against FSDP2 in tests/test_checkpoint_interop.py),
+plus shardlang's own:
+
+    model.<name>                                  every parameter (tied ones under each name), persistent buffers
+    optimizer.state.<name>.<exp_avg|...>          the optimizer state of each trainable parameter, whole shape
+    optimizer.state.<name>.step                   Adam/AdamW: the update count (float32, as torch.optim)
+    optimizer.param_groups.<g>.<lr|betas|...>     one torch param group per parameter group, "params" = names
+    shardlang.step_count                          the update count (float64)
+    shardlang.lr_schedule                         the lr scheduler's state_dict (pickled bytes)
+    shardlang.rng.rank<r>                         rank r's step generator (only with random ops)
+    shardlang.data_position                       the next global batch the job reads (an int)
+    shardlang.meta                                JSON: format, world size, mesh, spec, strategies, for the record
+
+Parameters and optimizer state are `layout.Entry` values (this rank's chunks of the
+global tensor); everything else is a plain tensor or Python value. The spec, the
+strategy and the world size leave no trace in the tensor keys, which is what lets a
+checkpoint load under another layout (resharding is DCP's, Note [chunks of a flat shard]).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import attrs
+import torch
+
+from ..compiler.flat import FlatParam
+from ..compiler.optim import SGD, Adam, AdamW, hyper_name
+from .layout import Entry, optimizer_pieces, parameter_pieces
+
+FORMAT = 1
+META_KEY = "shardlang.meta"
+STEP_KEY = "shardlang.step_count"
+SCHEDULE_KEY = "shardlang.lr_schedule"
+DATA_KEY = "shardlang.data_position"
+HYPER_CHECKED = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")  # compiled in; must agree
+
+
+@attrs.frozen
+class ModelNames:
+    """The model's own names: parameters in ``named_parameters`` order, tied aliases, persistent buffers.
+
+    Example: for examples/gpt.py, ``aliases == {"head.weight": "tok_emb.weight"}``.
+    """
+
+    parameters: tuple[str, ...]
+    aliases: dict[str, str]  # alias -> the name the parameter is held under (its first name)
+    persistent_buffers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelNames:
+        first: dict[int, str] = {}
+        aliases = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                aliases[name] = first[id(p)]
+            else:
+                first[id(p)] = name
+        keys = set(model.state_dict(keep_vars=True))
+        buffers = tuple(n for n, _ in model.named_buffers() if n in keys)
+        return cls(tuple(first.values()), aliases, buffers)
+
+    @classmethod
+    def of_flats(cls, flats: tuple[FlatParam, ...], buffer_names: list[str]) -> ModelNames:
+        """Without the module: the flats' member names, no aliases, every buffer."""
+        return cls(tuple(m.name for f in flats for m in f.members), {}, tuple(buffer_names))
+
+
+def model_entries(step, *, snapshot=None) -> dict[str, object]:
+    """``model.<name>`` for every parameter (as `Entry`) and persistent buffer; ``snapshot`` replaces the state."""
+    state = snapshot or step.state
+    entries: dict[str, object] = {}
+    for flat, storage in zip(step.compiled.flats, state.flat_tensors):
+        coordinate = _coordinate(step, flat)
+        for member in flat.members:
+            save, load = parameter_pieces(flat, member, storage, coordinate)
+            entries[member.name] = Entry(f"model.{member.name}", member.info.shape, flat.dtype, tuple(save),
+                                         tuple(load))
+    for alias, name in step.names.aliases.items():
+        entries[alias] = attrs.evolve(entries[name], name=f"model.{alias}")
+    buffers = dict(zip(state.buffer_names, state.buffers))
+    for name in step.names.persistent_buffers:
+        entries[name] = buffers[name]
+    return entries
+
+
+def optimizer_entries(step, *, snapshot=None) -> dict[str, dict[str, object]]:
+    """``optimizer.state``: per trainable parameter, its optimizer state (as `Entry`) and, for Adam, ``step``."""
+    state = snapshot or step.state
+    optimizer = step.compiled.traced.optimizer
+    out: dict[str, dict[str, object]] = {}
+    tensors = iter(state.optimizer_state)
+    for flat in step.compiled.flats:
+        if not flat.trainable:
+            continue
+        coordinate = _coordinate(step, flat)
+        names = optimizer.state_names(flat)
+        held = [next(tensors) for _ in names]
+        for member in flat.members:
+            per = out.setdefault(member.name, {})
+            for state_name, tensor in zip(names, held):
+                pieces = tuple(optimizer_pieces(flat, member, tensor, coordinate))
+                per[state_name] = Entry(f"optimizer.state.{member.name}.{state_name}", member.info.shape, flat.dtype,
+                                        pieces, pieces)
+            if isinstance(optimizer.of(flat), Adam):
+                per["step"] = state.step_count.to(torch.float32)
+    return {name: out[name] for name in step.names.parameters if name in out}
+
+
+def param_groups(step) -> list[dict[str, object]]:
+    """One ``torch.optim`` param group per shardlang parameter group: torch's keys, the current lr, names as params."""
+    optimizer = step.compiled.traced.optimizer
+    members = {m.name: f.group for f in step.compiled.flats if f.trainable for m in f.members}
+    schedule = step.lr_schedule
+    groups = []
+    for g, opt in enumerate(optimizer.groups):
+        group = dict(_torch_group(opt))
+        group["lr"] = float(step.hyper[hyper_name("lr", g)])
+        if schedule is not None and "initial_lr" in schedule.optimizer.param_groups[g]:
+            group["initial_lr"] = float(schedule.optimizer.param_groups[g]["initial_lr"])
+        group["params"] = [n for n in step.names.parameters if members.get(n) == g]
+        groups.append(group)
+    return groups
+
+
+def _torch_group(opt) -> dict[str, object]:
+    """torch.optim's own param-group keys for shardlang's ``opt`` (without "params")."""
+    dummy = [torch.nn.Parameter(torch.zeros(1))]
+    kind = type(opt)
+    if kind is SGD:
+        torch_opt = torch.optim.SGD(dummy, lr=opt.lr, momentum=opt.momentum, dampening=opt.dampening,
+                                    weight_decay=opt.weight_decay, nesterov=opt.nesterov)
+    elif kind is AdamW:
+        torch_opt = torch.optim.AdamW(dummy, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    else:
+        torch_opt = torch.optim.Adam(dummy, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    return {k: v for k, v in torch_opt.param_groups[0].items() if k != "params"}
+
+
+def own_entries(step, data_position: int, *, snapshot=None) -> dict[str, object]:
+    """shardlang's own keys (Note [checkpoint keys]), as a nested dict under ``shardlang``."""
+    state = snapshot or step.state
+    own: dict[str, object] = {"step_count": state.step_count, "data_position": int(data_position),
+                              "meta": json.dumps(meta(step), sort_keys=True)}
+    if step.lr_schedule is not None:
+        own["lr_schedule"] = to_bytes(step.lr_schedule.scheduler.state_dict())
+    if step.random is not None:
+        own["rng"] = {f"rank{step.dist.rank}": _rng_tensor(step.random)}
+    return own
+
+
+def meta(step) -> dict[str, object]:
+    """What a checkpoint records of the run that wrote it (read by `shardlang export`, shown in errors)."""
+    spec = getattr(step, "spec", None)
+    return {
+        "format": FORMAT,
+        "world_size": step.dist.world_size,
+        "mesh": [list(a) for a in step.compiled.context.mesh.axes],
+        "spec": spec.to_dict() if spec is not None else None,
+        "optimizer": repr(step.compiled.traced.optimizer.base),
+        "flats": [{"name": f.name, "strategy": f.strategy.value, "axis": f.axis,
+                   "members": [m.name for m in f.members]} for f in step.compiled.flats],
+        "parameters": {m.name: list(m.info.shape) for f in step.compiled.flats for m in f.members},
+        "aliases": dict(step.names.aliases),
+        "buffers": list(step.names.persistent_buffers),
+        "steps": step.steps_done,
+    }
+
+
+def to_bytes(value) -> bytes:
+    """A Python value as bytes (``torch.save``): one leaf for DCP, however nested the value."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rng_tensor(random) -> torch.Tensor:
+    """The step generator's CPU state, and its CUDA state after it when there is one (uint8)."""
+    parts = [random.cpu_state] + ([random.cuda_state.cpu()] if random.cuda_state is not None else [])
+    return torch.cat(parts).clone()
+
+
+def set_rng(random, saved: torch.Tensor) -> None:
+    n = random.cpu_state.numel()
+    random.cpu_state = saved[:n].clone()
+    if random.cuda_state is not None and saved.numel() > n:
+        random.cuda_state = saved[n:].clone()
+
+
+def _coordinate(step, flat: FlatParam) -> int:
+    """This rank's coordinate on ``flat``'s axis (0 when replicated)."""
+    return step.compiled.context.mesh.coordinate(step.dist.rank)[flat.axis] if flat.sharded else 0
