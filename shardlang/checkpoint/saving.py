@@ -290,19 +290,21 @@ def _quiet(ctx):
     return stack
 
 
-def _first_failure(exc: CheckpointException) -> str:
+def _failures(exc: CheckpointException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) for every rank DCP reports failed; its failures are (exception, stack) pairs."""
     failures = getattr(exc, "failures", {}) or {}
-    for rank in sorted(failures):
-        inner = getattr(failures[rank], "exc", failures[rank])
+    return [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    for rank, inner in _failures(exc):
         return f"rank {rank}: {type(inner).__name__}: {inner}"
     return str(exc)
 
 
 def _unwrap(exc: CheckpointException, path: Path) -> CheckpointError:
     """A `CheckpointError` raised in a rank's planner, or one that names the rank and what DCP raised."""
-    failures = getattr(exc, "failures", {}) or {}
-    for rank in sorted(failures):
-        inner = getattr(failures[rank], "exc", None)
+    for _rank, inner in _failures(exc):
         if isinstance(inner, CheckpointError):
             return inner
     return CheckpointError(f"reading checkpoint {path} failed: {_first_failure(exc)}", path=path)

@@ -1,13 +1,18 @@
-"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH]``: train a job.
+"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH] [--checkpoint-dir D ...]``: train a job.
 
 Trains on N local CPU ranks (gloo), or on the ranks torchrun started (when
 WORLD_SIZE is set); rank 0 prints the global loss of each step, then the
 schedule's summary and table. With ``--trace``, the last steps are profiled into
 a Chrome trace whose ranges carry the schedule's op names (`shardlang.profile`).
+With ``--checkpoint-dir D``, the run saves ``D/step-<k>`` every
+``--checkpoint-every`` steps and after the last (``--keep N`` newest kept,
+``--async-save`` in the background); ``--resume`` first loads the latest
+complete checkpoint in D and goes on from there to ``--steps`` (docs/checkpoints.md).
 
 Example::
 
     $ shardlang run examples/mlp.py --nproc 2 --steps 3
+    $ shardlang run examples/gpt.py --nproc 4 --steps 6 --checkpoint-dir ckpt --checkpoint-every 3 --resume
     $ torchrun --nproc-per-node 4 -m shardlang run examples/gpt.py --steps 100
 """
 
@@ -20,7 +25,11 @@ from pathlib import Path
 
 import torch
 
+import attrs
+
 from .. import api
+from ..checkpoint import CheckpointDir
+from ..checkpoint.periodic import Periodic
 from ..errors import SpecError
 from ..job import Job, build, global_batch, load_job
 from ..runtime.dist import DistContext, init_from_env, read_env, shutdown
@@ -49,7 +58,47 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
                              "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
+    saving = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
+    saving.add_argument("--checkpoint-dir", metavar="D", default=None,
+                        help="save checkpoints into D/step-<k> (after the last step, and every --checkpoint-every)")
+    saving.add_argument("--checkpoint-every", metavar="K", type=positive("a number of steps"), default=None,
+                        help="also save after every K steps (needs --checkpoint-dir)")
+    saving.add_argument("--resume", action="store_true",
+                        help="load the latest complete checkpoint in --checkpoint-dir first and continue from it "
+                             "(a fresh start when there is none)")
+    saving.add_argument("--keep", metavar="N", type=positive("a number of checkpoints"), default=None,
+                        help="keep only the newest N checkpoints in --checkpoint-dir (default: all)")
+    saving.add_argument("--async-save", action="store_true",
+                        help="write checkpoints in the background while training goes on")
     parser.set_defaults(command=main)
+
+
+@attrs.frozen
+class Checkpointing:
+    """The checkpoint flags of one run, as plain data (sent to every rank)."""
+
+    directory: str | None = None
+    every: int | None = None
+    resume: bool = False
+    keep: int | None = None
+    asynchronous: bool = False
+
+    @classmethod
+    def from_args(cls, args) -> Checkpointing:
+        flags = {"--checkpoint-every": args.checkpoint_every, "--resume": args.resume or None,
+                 "--keep": args.keep, "--async-save": args.async_save or None}
+        if args.checkpoint_dir is None:
+            given = [flag for flag, value in flags.items() if value is not None]
+            if given:
+                raise SpecError(f"{given[0]} needs --checkpoint-dir D (the directory of the checkpoints)")
+            return cls()
+        return cls(str(Path(args.checkpoint_dir).resolve()), args.checkpoint_every, args.resume, args.keep,
+                   args.async_save)
+
+    def periodic(self) -> Periodic | None:
+        if self.directory is None:
+            return None
+        return Periodic(CheckpointDir(self.directory, keep=self.keep), self.every, asynchronous=self.asynchronous)
 
 
 def main(args) -> int:
@@ -60,33 +109,39 @@ def main(args) -> int:
             raise SpecError(f"--nproc {args.nproc} disagrees with WORLD_SIZE={world} set by torchrun; "
                             "drop --nproc or make them equal")
         job = load_checked(args.file, world)
+        checkpoints = Checkpointing.from_args(args)
         ctx = init_from_env()
         try:
-            _train(ctx, job, args.steps, args.seed, args.trace)
+            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints)
         finally:
             shutdown()
         return 0
     nproc = args.nproc or 1
     job = load_checked(args.file, nproc)
+    checkpoints = Checkpointing.from_args(args)
     trace = str(Path(args.trace).resolve()) if args.trace else None
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed, trace)
+        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints)
     else:
-        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace,
+        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints,
                timeout=None, threads=threads_per_rank(nproc), prefix_output=False)
     return 0
 
 
-def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None) -> None:
+def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
+              checkpoints: Checkpointing = Checkpointing()) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed, trace)
+    _train(ctx, load_job(path), steps, seed, trace, checkpoints)
 
 
-def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None) -> None:
-    """Compile and train ``steps`` steps on this rank; rank 0 prints the global losses and the schedule.
+def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None,
+           checkpoints: Checkpointing = Checkpointing()) -> None:
+    """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
-    profiler and each rank writes its Chrome trace (`shardlang.profile`).
+    profiler and each rank writes its Chrome trace (`shardlang.profile`). With a checkpoint
+    directory, checkpoints are saved (and with ``resume`` the latest is loaded first: the run
+    continues from its data position, and the step numbering with it).
     """
     say = _printer(ctx)
     backend = ctx.backend.value if ctx.backend else "no process group"
@@ -99,11 +154,21 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
                        lr_schedule=job.lr_schedule)
     del model  # the step holds this rank's shards
     say(f"compiled in {time.perf_counter() - started:.2f} s")
+    periodic = checkpoints.periodic()
+    first = 0
+    if periodic is not None and checkpoints.resume:
+        restored = periodic.resume(step)
+        if restored is None:
+            say(f"no checkpoint in {checkpoints.directory} yet: starting at step 1")
+        else:
+            first = restored.data_position
+            say(f"resumed from {restored.path} (step {restored.steps}, written by {restored.world_size} "
+                f"rank{'s' if restored.world_size != 1 else ''})")
     training = time.perf_counter()
-    traced_from = max(1, steps - TRACED_STEPS) if trace else steps
+    traced_from = max(first + 1, steps - TRACED_STEPS) if trace else steps
     tracing = contextlib.ExitStack()
     run_step = step
-    for k in range(steps):
+    for k in range(first, steps):
         if k == traced_from and trace:
             from ..profile import rank_path, trace_steps
 
@@ -116,8 +181,14 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
         elapsed = time.perf_counter() - begin
         say(f"step {k + 1}/{steps}  loss {global_mean(loss, ctx):.6f}  time {elapsed * 1e3:.1f} ms"
             + ("  (profiled)" if run_step is not step else ""))
+        if periodic is not None:
+            saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
+            if saved is not None:
+                say(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
     tracing.close()
-    say(f"trained {steps} steps in {time.perf_counter() - training:.2f} s\n")
+    if periodic is not None:
+        periodic.finish(step)
+    say(f"trained {steps - first} steps in {time.perf_counter() - training:.2f} s\n")
     if trace and traced_from < steps:
         say(f"measured trace of steps {traced_from + 1}-{steps}: {trace}"
             + (f" (ranks 1-{ctx.world_size - 1}: {shown(rank_path(trace, 1))} ...)" if ctx.world_size > 1 else "")

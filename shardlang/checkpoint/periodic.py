@@ -1,0 +1,66 @@
+"""Checkpoints every K steps into one directory, resuming from the latest: what ``shardlang run`` uses.
+
+Example::
+
+    every = Periodic(CheckpointDir("runs/a", keep=2), every=100, asynchronous=True)
+    start = every.resume(step)                # 0, or the data position of the latest complete checkpoint
+    for k in range(start, total):
+        step(batch_for(k))
+        every.after_step(step, k + 1, last=k + 1 == total)
+    every.finish(step)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .saving import AsyncSave, Restored, load, save, save_async
+from .store import CheckpointDir
+
+
+class Periodic:
+    """Save ``step`` into ``directory`` after every ``every`` steps and after the last; keep the newest ``keep``.
+
+    With ``asynchronous``, saves are written in the background (`save_async`); a save still
+    in flight is waited for before the next one and by `finish`.
+    """
+
+    def __init__(self, directory: CheckpointDir, every: int | None, asynchronous: bool = False):
+        self.directory = directory
+        self.every = every
+        self.asynchronous = asynchronous
+        self.pending: AsyncSave | None = None
+        self.saved: list[Path] = []
+
+    def resume(self, step) -> Restored | None:
+        """Load the latest complete checkpoint of the directory into ``step``; None when there is none."""
+        latest = self.directory.latest()
+        return load(step, latest) if latest is not None else None
+
+    def after_step(self, step, steps_done: int, *, last: bool = False) -> Path | None:
+        """Save when ``steps_done`` is a multiple of ``every`` or ``last``; the checkpoint's path, or None."""
+        if not (last or (self.every and steps_done % self.every == 0)):
+            return None
+        path = self.directory.path_for(steps_done)
+        if self.asynchronous:
+            self._settle(step)
+            self.pending = save_async(step, path, data_position=steps_done)
+        else:
+            save(step, path, data_position=steps_done)
+            self._done(step, path)
+        return path
+
+    def finish(self, step) -> None:
+        """Wait for a save in flight (and prune after it)."""
+        self._settle(step)
+
+    def _settle(self, step) -> None:
+        if self.pending is not None:
+            path = self.pending.wait()
+            self.pending = None
+            self._done(step, path)
+
+    def _done(self, step, path: Path) -> None:
+        self.saved.append(path)
+        if step.dist.rank == 0:
+            self.directory.prune()
