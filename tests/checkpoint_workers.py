@@ -95,7 +95,8 @@ def load_continue(ctx, cases: list[dict]) -> list[dict]:
         k = c.get("steps", 2)
         losses = _train(ctx, step, case, dt, restored.data_position, restored.data_position + k)
         out.append({"losses": losses, "params": step.full_parameters(), "steps": restored.steps,
-                    "data_position": restored.data_position, "world_size": restored.world_size, "lrs": step.lrs})
+                    "data_position": restored.data_position, "world_size": restored.world_size, "lrs": step.lrs,
+                    "foreign": restored.foreign})
     return out
 
 
@@ -109,7 +110,55 @@ def load_error(ctx, c: dict) -> str:
     return "no error"
 
 
-def save_only(ctx, c: dict) -> None:
+def save_only(ctx, c: dict) -> dict:
+    """k steps, then save; the parameters and buffers saved."""
     step, case, dt = compile_case(ctx, c)
     _train(ctx, step, case, dt, 0, c.get("steps", 2))
     step.save(c["path"])
+    return {"params": step.full_parameters(), "buffers": {k: v.clone() for k, v in step.full_buffers().items()}}
+
+
+# ---- FSDP2 on the same case: fully_shard per block and on the root, torch.optim.AdamW --------------------
+
+
+def fsdp_run(ctx, c: dict, save: bool) -> dict:
+    """FSDP2 on ``c`` (a GPT case): with ``save``, k steps, ``dcp.save`` of its state dicts to ``path``, k more;
+    otherwise ``dcp.load`` from ``path`` and k steps. Returns the last k losses and the full parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    case, dt = CASES[c["case"]], DTYPES[c.get("dtype", "float64")]
+    model = case.build(dt)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = OPTIMIZERS[c.get("optimizer", "adamw")][1](model.parameters())
+    k = c.get("steps", 2)
+
+    def train(start, stop):
+        losses = []
+        for i in range(start, stop):
+            opt.zero_grad()
+            loss = case.loss_fn(model, split_batch(case.make_batch(i, dt), ctx.world_size, ctx.rank))
+            loss.backward()
+            opt.step()
+            value = loss.detach().to(torch.float64).clone()
+            torch.distributed.all_reduce(value)
+            losses.append(float(value / ctx.world_size))
+        return losses
+
+    if save:
+        train(0, k)
+        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=c["path"])
+        losses = train(k, 2 * k)
+    else:
+        sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=c["path"])
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optimizer"])
+        losses = train(k, 2 * k)
+    return {"losses": losses, "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+            "step": float(next(iter(opt.state.values()))["step"])}

@@ -1,4 +1,4 @@
-"""The command line: ``shardlang run | plan | diff | check`` on a job file (see `shardlang.job`).
+"""The command line: ``shardlang run | plan | diff | check`` on a job file (see `shardlang.job`), and ``export``.
 
 - ``shardlang run FILE --nproc N [--trace PATH]``: train on N local CPU ranks
   (gloo), or on the ranks torchrun started (when WORLD_SIZE is set); rank 0
@@ -15,8 +15,10 @@
 - ``shardlang check FILE --world-sizes 1,2,4``: train sharded at each world size
   and once in one process with ``torch.optim`` on the same global batches;
   compare the parameters; exit 1 when a world size is outside the tolerance.
+- ``shardlang export D --out model.safetensors [--max-shard-size SIZE]``: write a
+  checkpoint's model as safetensors, one file or Hugging Face's sharded layout.
 
-One module per command (`run`, `plan`, `diff`, `check`), each with
+One module per command (`run`, `plan`, `diff`, `check`, `export`), each with
 ``add_parser(subparsers)`` and ``main(args) -> int``; `COMMANDS` registers them.
 `args` holds the argument types, `common` what the commands share. To add a
 command, write ``cli/<name>.py`` with those two functions and list it in
@@ -40,10 +42,10 @@ import sys
 
 from ..errors import ShardlangError
 from ..runtime.launcher import FailureKind, WorkerError
-from . import check, diff, plan, run
+from . import check, diff, export, plan, run
 from .check import TOLERANCES, max_relative_difference, tolerance
 
-COMMANDS = (run, plan, diff, check)  # in the order ``shardlang --help`` lists them
+COMMANDS = (run, plan, diff, check, export)  # in the order ``shardlang --help`` lists them
 
 __all__ = ["COMMANDS", "TOLERANCES", "main", "max_relative_difference", "tolerance"]
 
