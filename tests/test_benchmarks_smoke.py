@@ -39,3 +39,16 @@ def test_quick_benchmark_runs_every_mode(tmp_path):
     assert all(r["peak"] > 0 and r["same_on_every_rank"] for r in rows.values())
     assert all(r["wire"] > 0 for (n, _), r in rows.items() if n == 2)
     assert all(r["loss_diff"] < 1e-4 for r in rows.values())
+
+
+def test_checkpoint_benchmark_measures_both_systems(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    command = [sys.executable, "-m", "benchmarks.checkpoint", "--size", "tiny", "--world", "2", "--repeats", "1",
+               "--steps", "1", "--dir", str(tmp_path / "ckpt"), "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"shardlang", "fsdp2"}
+    for r in modes.values():
+        assert r["bytes"] > 0 and all(len(r[k]) == 1 and r[k][0] > 0 for k in ("save_s", "load_s", "async_steps_s"))
+    assert "| shardlang |" in done.stdout and "| fsdp2 |" in done.stdout

@@ -174,7 +174,7 @@ def test_every_command_module_is_registered_with_add_parser_and_main():
     # one module per command (docs/architecture.md): a new cli/<name>.py must be listed in cli.COMMANDS
     shared = {"__init__", "args", "common"}
     modules = sorted(p.stem for p in (ROOT / "shardlang" / "cli").glob("*.py") if p.stem not in shared)
-    assert sorted(m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS) == modules == ["check", "diff", "plan", "run"]
+    assert sorted(m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS) == modules == ["check", "diff", "export", "plan", "run"]
     for name in modules:
         module = importlib.import_module(f"shardlang.cli.{name}")
         assert callable(module.add_parser) and callable(module.main), name

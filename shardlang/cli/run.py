@@ -162,8 +162,9 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
             say(f"no checkpoint in {checkpoints.directory} yet: starting at step 1")
         else:
             first = restored.data_position
-            say(f"resumed from {restored.path} (step {restored.steps}, written by {restored.world_size} "
-                f"rank{'s' if restored.world_size != 1 else ''})")
+            by = ("not written by shardlang" if restored.world_size is None else
+                  f"written by {restored.world_size} rank{'s' if restored.world_size != 1 else ''}")
+            say(f"resumed from {restored.path} (step {restored.steps}, {by})")
     training = time.perf_counter()
     traced_from = max(first + 1, steps - TRACED_STEPS) if trace else steps
     tracing = contextlib.ExitStack()
