@@ -57,7 +57,7 @@ class Restored:
 
 @attrs.frozen(eq=False)
 class _Snapshot:
-    """A copy of a rank's state tensors, for a save that runs while training goes on."""
+    """A copy of a rank's state tensors in CPU memory, for a save that runs while training goes on."""
 
     flat_tensors: list
     optimizer_state: list
@@ -68,9 +68,9 @@ class _Snapshot:
     @classmethod
     def of(cls, state) -> _Snapshot:
         def copy(ts):
-            return [t.detach().clone() for t in ts]
+            return [t.detach().to("cpu", copy=True) for t in ts]
 
-        return cls(copy(state.flat_tensors), copy(state.optimizer_state), state.step_count.clone(),
+        return cls(copy(state.flat_tensors), copy(state.optimizer_state), state.step_count.to("cpu", copy=True),
                    copy(state.buffers), list(state.buffer_names))
 
 
