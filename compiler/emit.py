@@ -8,11 +8,17 @@ threads or on NCCL's stream).
 
 A world of one binds nothing: its collectives are identities and it needs no
 process group at all.
+
+When the bound graph raises (a collective that timed out, a peer that went
+away), `failing_node` finds the node that raised from the traceback alone, at
+no cost while the step runs; the schedule op that covers that node is then
+`Schedule.op_of_node` (Note [collective timeout] in `shardlang.runtime.watch`).
 """
 
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 import torch.fx as fx
@@ -106,3 +112,42 @@ def _check_unbound_is_local(gm: fx.GraphModule) -> None:
             raise CompileError(
                 f"{node.name} is a collective over {group[1]} ranks, but no process group was given to bind it"
             )
+
+
+def failing_node(gm: fx.GraphModule, exc: BaseException) -> fx.Node | None:
+    """The node of ``gm`` whose line of generated code raised ``exc``; None when it did not come from ``gm``.
+
+    fx keeps, for each line of the generated ``forward``, the index of the node it
+    runs (``GraphModule._lineno_map``, as dynamo reads it); the traceback gives the
+    line. Nothing is added to the step: this costs only when an error is explained.
+
+    Example::
+
+        try:
+            bound(*inputs)
+        except RuntimeError as exc:
+            node = failing_node(bound, exc)     # e.g. the wait_tensor node of an all-gather
+    """
+    lineno_map = getattr(gm, "_lineno_map", None)
+    code = getattr(type(gm).forward, "__code__", None)
+    if not lineno_map or code is None:
+        return None
+    tb: types.TracebackType | None = exc.__traceback__
+    line = None
+    while tb is not None:  # the innermost frame of the generated forward
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None:
+        return None
+    index = lineno_map.get(line - code.co_firstlineno)
+    nodes = list(gm.graph.nodes)
+    return nodes[index] if index is not None and 0 <= index < len(nodes) else None
+
+
+def is_bound_collective(node: fx.Node) -> bool:
+    """Whether ``node`` runs a ``torch.ops._c10d_functional`` op (an issued collective or its wait).
+
+    Example: the node ``wait_tensor(all_gather_into_tensor(shard, 2, "0"))`` and its input both are.
+    """
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"

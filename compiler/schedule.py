@@ -200,6 +200,16 @@ class Schedule:
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
+    def op_of_node(self, name: str) -> ScheduleOp | None:
+        """The op that covers the graph node called ``name`` (`ScheduleOp.node_names`); None if none does.
+
+        Example: ``schedule.op_of_node("wait_tensor_3").index``.
+        """
+        for op in self.ops:
+            if name in op.node_names:
+                return op
+        return None
+
     def digest(self) -> str:
         """A hash of the whole schedule; equal on every rank of one SPMD program."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]

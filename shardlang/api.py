@@ -19,7 +19,7 @@ from .training import training_of
 
 def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
             dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None,
-            lr_schedule: Callable | None = None) -> Step:
+            lr_schedule: Callable | None = None, timeout: float | None = None) -> Step:
     """Compile ``model``'s training step for ``spec`` and bind it to this rank.
 
     ``loss_fn(model, batch)`` returns a scalar loss; ``example_batch`` is a
@@ -28,7 +28,10 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     joins torch.distributed's default group when one is initialised and runs
     alone otherwise. ``lr_schedule`` is a function that takes a torch optimizer
     and returns a ``torch.optim.lr_scheduler`` on it (`shardlang.lr`); the step
-    applies it after every optimizer step, without retracing.
+    applies it after every optimizer step, without retracing. ``timeout`` (seconds)
+    sets how long the step's collectives wait for late peers before they fail with
+    an error naming the late rank and the schedule op (default: the process group's,
+    10 minutes from `shardlang.runtime.init_process_group`; Note [collective timeout]).
 
     Example::
 
@@ -39,7 +42,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     ctx = dist_context or _current_context()
     optimizer = optimizer or AdamW(lr=1e-3)
     compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
-    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, spec=spec)
+    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, spec=spec, timeout_s=timeout)
 
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,

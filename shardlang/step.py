@@ -8,6 +8,7 @@ graph to this rank's process groups and runs it on that state.
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,9 @@ from .errors import ShardlangRuntimeError
 from .lr import LRSchedule
 from .random_state import StepRandom
 from .runtime.dist import DistContext
+from .runtime.dist import check_timeout
 from .runtime.groups import mesh_groups
+from .runtime.watch import StepWatch
 from .state import TrainState
 from .checkpoint.state_dict import ModelNames
 
@@ -38,15 +41,18 @@ class Step:
     """
 
     def __init__(self, compiled: CompiledStep, model: torch.nn.Module | None, optimizer, ctx: DistContext,
-                 lr_schedule=None, state: TrainState | None = None, spec=None):
+                 lr_schedule=None, state: TrainState | None = None, spec=None, timeout_s: float | None = None):
         self.compiled = compiled
         self.spec = spec  # for the record (checkpoints); the compiled step is what runs
         self.optimizer = optimizer
         self.dist = ctx
         self._check_world(ctx)
+        if timeout_s is not None:
+            check_timeout(timeout_s, "timeout")
+        self._watch = StepWatch(ctx, compiled.schedule, timeout_s)  # before the first collective: see its docs
         if ctx.has_process_group:  # before making subgroups: different programs would hang there
             _check_same_schedule(compiled.schedule, ctx)
-        self._groups = self._make_groups(ctx)
+        self._groups = self._make_groups(ctx, timeout_s)
         names = {key: group.group_name for key, group in self._groups.items()} if ctx.has_process_group else None
         self._graph = bind(compiled.graph_module, names, self._mesh_coordinate())
         self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
@@ -86,8 +92,15 @@ class Step:
 
     def __call__(self, batch) -> torch.Tensor:
         inputs = self.graph_inputs(batch)
+        self._watch.begin()
         with torch.no_grad(), self.random or contextlib.nullcontext():  # the graph holds its own backward
-            loss = self._graph(*inputs)
+            try:
+                loss = self._graph(*inputs)
+            except Exception as exc:  # a collective that timed out names the late rank and the op
+                error = self._watch.explain(exc, self._graph)
+                if error is None:
+                    raise
+                raise error from exc
         if isinstance(loss, tuple):  # Options(clip_grad_norm=...): (loss, the gradient norm before clipping)
             loss, self.grad_norm = loss
         if self.lr_schedule is not None:
@@ -213,14 +226,22 @@ class Step:
                 f"the step was compiled for a mesh of {expected} ranks but runs in a world of {ctx.world_size}"
             )
 
-    def _make_groups(self, ctx: DistContext) -> dict:
-        """This rank's process group for every group key the graph uses, and for every sharded flat's axis."""
+    def _make_groups(self, ctx: DistContext, timeout_s: float | None) -> dict:
+        """This rank's process group for every group key the graph uses, and for every sharded flat's axis.
+
+        With ``timeout_s`` (``sl.compile(timeout=)``) every one of them gets that collective timeout;
+        otherwise subgroups get the world's (`DistContext.timeout_s`).
+        """
         if not ctx.has_process_group:
             return {}
         mesh = self.compiled.context.mesh
         keys = [*group_keys(self.compiled.graph_module), WORLD_AXIS,
                 *(f.axis for f in self.compiled.flats if f.params_sharded)]
-        return mesh_groups(mesh, keys, ctx.rank)
+        groups = mesh_groups(mesh, keys, ctx.rank, ctx.timeout_s if timeout_s is None else timeout_s)
+        if timeout_s is not None:
+            for group in {id(g): g for g in groups.values()}.values():
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+        return groups
 
 
 def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:

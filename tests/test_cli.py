@@ -119,6 +119,7 @@ def test_run_missing_file_is_one_line_naming_it():
 @pytest.mark.parametrize("argv, names", [
     (["run", MLP, "--nproc", "3"], ["global batch size 16", "world size 3"]),
     (["run", MLP, "--nproc", "0"], ["--nproc", "'0'"]),
+    (["run", MLP, "--timeout", "0"], ["--timeout", "'0'", "seconds"]),
     (["plan", MLP, "--world", "-2"], ["--world", "'-2'"]),
     (["check", MLP, "--world-sizes", "1,two"], ["--world-sizes", "'1,two'"]),
     (["check", MLP, "--world-sizes", "1,3"], ["world size 3"]),

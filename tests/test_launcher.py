@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S
 from shardlang.runtime import (
     Backend,
     DistContext,
@@ -157,7 +158,7 @@ def test_init_from_env_reads_torchrun_environment(monkeypatch):
     calls = []
     monkeypatch.setattr(sl_dist, "init_process_group", lambda *a, **k: calls.append((a, k)) or "ctx")
     assert init_from_env() == "ctx"
-    assert calls == [((3, 4, "10.0.0.7", 29500, None), {"local_rank": 1})]
+    assert calls == [((3, 4, "10.0.0.7", 29500, None), {"local_rank": 1, "timeout_s": DEFAULT_COLLECTIVE_TIMEOUT_S})]
 
 
 @pytest.mark.parametrize("world_size", [None, "1"])

@@ -39,6 +39,10 @@ def positive_float(what: str):
     return _float_parser(what, lambda v: v > 0 and v != float("inf"), "a number > 0, e.g. 40e9")
 
 
+def seconds(what: str):
+    return _float_parser(what, lambda v: v > 0 and v != float("inf"), "a number of seconds > 0, e.g. 600")
+
+
 def nonnegative_float(what: str):
     return _float_parser(what, lambda v: v >= 0 and v != float("inf"), "a number >= 0 in seconds, e.g. 5e-6")
 

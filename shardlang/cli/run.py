@@ -1,4 +1,5 @@
-"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH] [--checkpoint-dir D ...]``: train a job.
+"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH] [--timeout S] [--checkpoint-dir D ...]``:
+train a job.
 
 Trains on N local CPU ranks (gloo), or on the ranks torchrun started (when
 WORLD_SIZE is set); rank 0 prints the global loss of each step, then the
@@ -8,6 +9,9 @@ With ``--checkpoint-dir D``, the run saves ``D/step-<k>`` every
 ``--checkpoint-every`` steps and after the last (``--keep N`` newest kept,
 ``--async-save`` in the background); ``--resume`` first loads the latest
 complete checkpoint in D and goes on from there to ``--steps`` (docs/checkpoints.md).
+``--timeout`` bounds each collective's wait for late peers; the error then names
+the late rank and the schedule op (Note [collective timeout] in
+`shardlang.runtime.watch`).
 
 Example::
 
@@ -32,9 +36,9 @@ from ..checkpoint import CheckpointDir
 from ..checkpoint.periodic import Periodic
 from ..errors import SpecError
 from ..job import Job, build, global_batch, load_job
-from ..runtime.dist import DistContext, init_from_env, read_env, shutdown
+from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import launch
-from .args import positive
+from .args import positive, seconds
 from .common import global_mean, load_checked, shown, split_for_rank, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
@@ -58,6 +62,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
                              "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
+    parser.add_argument("--timeout", metavar="SECONDS", type=seconds("a timeout"),
+                        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                        help="how long a collective waits for late ranks before the run fails with an error naming "
+                             f"them and the schedule op (default {DEFAULT_COLLECTIVE_TIMEOUT_S:g}, as NCCL's)")
     saving = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
     saving.add_argument("--checkpoint-dir", metavar="D", default=None,
                         help="save checkpoints into D/step-<k> (after the last step, and every --checkpoint-every)")
@@ -110,7 +118,7 @@ def main(args) -> int:
                             "drop --nproc or make them equal")
         job = load_checked(args.file, world)
         checkpoints = Checkpointing.from_args(args)
-        ctx = init_from_env()
+        ctx = init_from_env(timeout_s=args.timeout)
         try:
             _train(ctx, job, args.steps, args.seed, args.trace, checkpoints)
         finally:
@@ -124,7 +132,8 @@ def main(args) -> int:
         _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints)
     else:
         launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints,
-               timeout=None, threads=threads_per_rank(nproc), prefix_output=False)
+               timeout=None, threads=threads_per_rank(nproc), prefix_output=False,
+               collective_timeout=args.timeout)
     return 0
 
 

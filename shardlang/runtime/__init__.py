@@ -36,9 +36,12 @@ from shardlang.runtime.launcher import (
     launch,
     run_in_process,
 )
+from shardlang.runtime.watch import CollectiveError, CollectiveTimeoutError
 
 __all__ = [
     "Backend",
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "DistContext",
     "EnvConfig",
     "FailureKind",

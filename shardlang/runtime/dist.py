@@ -38,6 +38,8 @@ import torch.distributed as dist
 from shardlang.compiler.errors import ShardlangRuntimeError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: How long a collective may wait for its peers before it fails (NCCL's default; torch's gloo default is 30 min).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 class Backend(enum.Enum):
@@ -74,6 +76,8 @@ class DistContext:
     """Where this process stands in the world of ranks running one program.
 
     ``backend`` is None exactly when there is no process group (Note [world size 1]).
+    ``timeout_s`` is how long each collective may wait for its peers (Note [collective timeout]
+    in `shardlang.runtime.watch`); subgroups are made with the same limit.
 
     Example::
 
@@ -86,6 +90,7 @@ class DistContext:
     local_rank: int
     backend: Backend | None
     device: torch.device = attrs.field(converter=torch.device)
+    timeout_s: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, repr=False)
 
     @property
     def has_process_group(self) -> bool:
@@ -161,8 +166,11 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvConfig:
     return EnvConfig(rank, world_size, local_rank, master_addr, master_port)
 
 
-def init_from_env(env: Mapping[str, str] | None = None, *, backend: Backend | str | None = None) -> DistContext:
+def init_from_env(env: Mapping[str, str] | None = None, *, backend: Backend | str | None = None,
+                  timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistContext:
     """Join the process group that torchrun's environment describes; none for a world of one.
+
+    ``timeout_s`` bounds each collective's wait for its peers (default 10 minutes).
 
     Example (under ``torchrun --nproc-per-node 2 train.py``)::
 
@@ -180,6 +188,7 @@ def init_from_env(env: Mapping[str, str] | None = None, *, backend: Backend | st
         config.master_port,
         backend,
         local_rank=config.local_rank,
+        timeout_s=timeout_s,
     )
 
 
@@ -191,13 +200,14 @@ def init_process_group(
     backend: Backend | str | None = None,
     *,
     local_rank: int | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> DistContext:
     """Create torch.distributed's default process group over TCP rendezvous at rank 0's address.
 
     World size 1 creates nothing (Note [world size 1]). Calling it again with the same
     rank and world size returns the context of the group that already exists.
-    ``timeout_s`` bounds each collective (torch's default when None).
+    ``timeout_s`` bounds each collective's wait for its peers, in seconds (default 10 minutes,
+    as NCCL's; gloo honours it in every wait, functional collectives' included).
 
     Example (in each of two processes, rank 0 and rank 1)::
 
@@ -205,14 +215,15 @@ def init_process_group(
         torch.distributed.all_reduce(torch.ones(1))   # tensor([2.])
     """
     _check_rank(rank, world_size)
+    check_timeout(timeout_s, "timeout_s")
     local_rank = rank if local_rank is None else local_rank
     chosen = Backend.default() if backend is None else Backend.parse(backend)
     if world_size == 1:
-        return DistContext(0, 1, local_rank, None, _device_for(chosen, local_rank))
+        return DistContext(0, 1, local_rank, None, _device_for(chosen, local_rank), timeout_s)
     _check_port(master_port, "master_port")
     device = _device_for(chosen, local_rank)
     if dist.is_initialized():
-        return _existing_context(rank, world_size, local_rank, chosen, device)
+        return _existing_context(rank, world_size, local_rank, chosen, device, timeout_s)
     if chosen is Backend.NCCL:
         torch.cuda.set_device(device)  # before any CUDA work: each rank owns its GPU
     dist.init_process_group(
@@ -220,10 +231,21 @@ def init_process_group(
         init_method=f"tcp://{_url_host(master_addr)}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if chosen is Backend.NCCL else None,  # binds NCCL's communicator to this GPU now
     )
-    return DistContext(rank, world_size, local_rank, chosen, device)
+    return DistContext(rank, world_size, local_rank, chosen, device, timeout_s)
+
+
+def check_timeout(value: object, where: str) -> None:
+    """``value`` must be a positive number of seconds; the error names ``where`` it came from.
+
+    Example::
+
+        >>> check_timeout(2.5, "--timeout")
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ShardlangRuntimeError(f"{where}={value!r} is not a timeout; expected a positive number of seconds")
 
 
 def shutdown() -> None:
@@ -301,7 +323,7 @@ def _device_for(backend: Backend, local_rank: int) -> torch.device:
 
 
 def _existing_context(
-    rank: int, world_size: int, local_rank: int, backend: Backend, device: torch.device
+    rank: int, world_size: int, local_rank: int, backend: Backend, device: torch.device, timeout_s: float
 ) -> DistContext:
     """The context of the already initialised default group, if it is the one asked for."""
     have = (dist.get_rank(), dist.get_world_size())
@@ -310,7 +332,7 @@ def _existing_context(
             f"a process group already exists as rank {have[0]} of {have[1]}, not rank {rank} of {world_size}; "
             "call shutdown() first"
         )
-    return DistContext(rank, world_size, local_rank, backend, device)
+    return DistContext(rank, world_size, local_rank, backend, device, timeout_s)
 
 
 def _url_host(host: str) -> str:

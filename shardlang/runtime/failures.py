@@ -10,7 +10,10 @@ The caller gets a `WorkerError` (a ShardlangRuntimeError) naming each rank, what
 happened to it and its traceback. After the first rank fails, the others get
 ``grace`` seconds to finish; a rank still running then is usually waiting in a
 collective for the failed one, so it is stopped, and its Python stack (dumped on
-SIGUSR1 where the platform has it) is reported in place of a traceback.
+SIGUSR1 where the platform has it) is reported in place of a traceback. A rank
+that a peer's timed-out collective found late (it had not begun the step; Note
+[collective timeout] in `watch`) is the cause, not a consequence: it is reported
+first, as LATE, with the stack of what it was doing instead.
 
 Example::
 
@@ -44,6 +47,7 @@ class FailureKind(enum.Enum):
     """What happened to a rank whose job did not return a value; declared from likely cause to consequence."""
 
     DIED = "died"
+    LATE = "was late"  # still running when a peer's collective timed out waiting for it (Note [collective timeout])
     RAISED = "raised"
     TIMED_OUT = "timed out"
     STOPPED = "was stopped while still running"
@@ -86,7 +90,7 @@ class WorkerError(ShardlangRuntimeError):
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """The ranks that raised, died or timed out, in order."""
+        """The ranks that raised, died, timed out or were late, in order."""
         return tuple(f.rank for f in self.failures if f.kind is not FailureKind.STOPPED)
 
 

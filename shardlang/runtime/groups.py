@@ -23,6 +23,8 @@ same programs.
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 
 from shardlang.compiler.placement import WORLD, MeshShape
@@ -36,10 +38,12 @@ class _Cache:
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def mesh_groups(mesh: MeshShape, keys, rank: int) -> dict[str, dist.ProcessGroup]:
+def mesh_groups(mesh: MeshShape, keys, rank: int, timeout_s: float | None = None) -> dict[str, dist.ProcessGroup]:
     """This rank's process group for each group key in ``keys`` (a collective: every rank calls it alike).
 
-    A key that spans every rank gets the default (world) group. Example::
+    A key that spans every rank gets the default (world) group. Subgroups are made
+    with ``timeout_s`` (the world's, from `DistContext.timeout_s`; torch would give
+    them its backend default instead). Example::
 
         groups = mesh_groups(MeshShape((("replicate", 2), ("fsdp", 2))), ["fsdp", "replicate"], rank=1)
         dist.get_process_group_ranks(groups["fsdp"])        # [0, 1]
@@ -51,17 +55,18 @@ def mesh_groups(mesh: MeshShape, keys, rank: int) -> dict[str, dist.ProcessGroup
             out[key] = world
             continue
         for ranks in mesh.groups(key):
-            group = _subgroup(world, ranks)
+            group = _subgroup(world, ranks, timeout_s)
             if rank in ranks:
                 out[key] = group
     return out
 
 
-def _subgroup(world: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
+def _subgroup(world: dist.ProcessGroup, ranks: list[int], timeout_s: float | None) -> dist.ProcessGroup:
     if _Cache.world is not world:
         _Cache.world, _Cache.groups = world, {}
     group = _Cache.groups.get(tuple(ranks))
     if group is None:
-        group = dist.new_group(ranks)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        group = dist.new_group(ranks, timeout=timeout)
         _Cache.groups[tuple(ranks)] = group
     return group

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S
 from shardlang.runtime.failures import FailureKind, PoolState, RankFailure, WorkerError
 from shardlang.runtime.worker import LOCALHOST
 from shardlang.runtime.worker_pool import (
@@ -67,11 +68,13 @@ def launch(
     grace: float = DEFAULT_GRACE_S,
     threads: int | None = 1,
     prefix_output: bool = True,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``nproc`` new CPU processes over gloo; the results in rank order.
 
     ``timeout`` (seconds, None for no limit) covers start-up and the job; a rank
-    still running then is killed and reported. ``threads`` sets each rank's torch
+    still running then is killed and reported. ``collective_timeout`` bounds each
+    collective's wait for late peers (Note [collective timeout] in `watch`). ``threads`` sets each rank's torch
     and OpenMP threads (None leaves them alone). A failure raises `WorkerError`
     (Note [failures]). World size 1 starts one process with no process group.
 
@@ -87,6 +90,7 @@ def launch(
         threads=threads,
         prefix_output=prefix_output,
         startup_timeout=STARTUP_TIMEOUT_S if timeout is None else timeout,
+        collective_timeout=collective_timeout,
     ) as pool:
         left = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
         try:

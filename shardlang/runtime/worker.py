@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 
-from shardlang.runtime.dist import DistContext, init_process_group, shutdown
+from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_process_group, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path
 
 LOCALHOST = "127.0.0.1"
@@ -55,6 +55,7 @@ class WorkerConfig:
     threads: int | None
     prefix_output: bool
     stack_dir: str
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Connection) -> None:
@@ -95,7 +96,7 @@ def _setup_process(rank: int, config: WorkerConfig) -> None:
 def _join(rank: int, port: int, config: WorkerConfig, conn: connection.Connection) -> DistContext | None:
     """Join the pool's process group and report READY; report the error and return None if it fails."""
     try:
-        ctx = init_process_group(rank, config.nproc, LOCALHOST, port, "gloo")
+        ctx = init_process_group(rank, config.nproc, LOCALHOST, port, "gloo", timeout_s=config.collective_timeout)
     except BaseException as exc:
         conn.send((Reply.ERROR, exception_summary(exc), traceback.format_exc()))
         return None
@@ -108,8 +109,8 @@ def _run_job(ctx: DistContext, payload: bytes) -> tuple:
     try:
         fn, args = pickle.loads(payload)
         result = fn(ctx, *args)
-    except BaseException as exc:
-        return (Reply.ERROR, exception_summary(exc), traceback.format_exc())
+    except BaseException as exc:  # the ranks a timed-out collective found late (Note [collective timeout])
+        return (Reply.ERROR, exception_summary(exc), traceback.format_exc(), tuple(getattr(exc, "late_ranks", ())))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -46,7 +46,7 @@ from typing import Any
 import attrs
 
 from shardlang.compiler.errors import ShardlangRuntimeError
-from shardlang.runtime.dist import DistContext
+from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, check_timeout
 from shardlang.runtime.failures import (
     FailureKind,
     PoolState,
@@ -129,14 +129,16 @@ class WorkerPool:
         threads: int | None = 1,
         prefix_output: bool = True,
         startup_timeout: float = STARTUP_TIMEOUT_S,
+        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ):
         check_nproc(nproc)
+        check_timeout(collective_timeout, "collective_timeout")
         self._nproc = nproc
         self._timeout = timeout
         self._grace = grace
         self._startup_timeout = startup_timeout
         self._stack_dir = tempfile.mkdtemp(prefix="shardlang-pool-")
-        self._config = WorkerConfig(nproc, threads, prefix_output, self._stack_dir)
+        self._config = WorkerConfig(nproc, threads, prefix_output, self._stack_dir, collective_timeout)
         self._state = PoolState.READY
         self._broken_reason = ""
         self._workers: list[_Worker] = []
@@ -249,6 +251,7 @@ class WorkerPool:
         pending = {worker.rank: worker for worker in self._workers}
         replies: dict[int, tuple] = {}
         failures: list[RankFailure] = []
+        late: set[int] = set()  # ranks a peer's timed-out collective found late
         while pending:
             wait_s = _seconds_left(deadline)
             if wait_s is not None and wait_s <= 0:
@@ -265,22 +268,27 @@ class WorkerPool:
                     deadline = _grace_deadline(deadline, self._grace, len(failures))
                 elif reply[0] is Reply.ERROR:
                     failures.append(RankFailure(rank, FailureKind.RAISED, reply[1], reply[2]))
+                    late.update(reply[3] if len(reply) > 3 else ())
                     deadline = _grace_deadline(deadline, self._grace, len(failures))
                 else:
                     replies[rank] = reply
-        late_kind = FailureKind.STOPPED if failures else FailureKind.TIMED_OUT
-        failures.extend(self._stacks_of(sorted(pending), late_kind, timeout))
+        still_running = FailureKind.STOPPED if failures else FailureKind.TIMED_OUT
+        failures.extend(self._stacks_of(sorted(pending), still_running, timeout, late))
         return replies, sorted(failures, key=cause_first)
 
-    def _stacks_of(self, ranks: list[int], kind: FailureKind, timeout: float | None) -> list[RankFailure]:
-        """Failures for ranks still running, each with its Python stack when it can be dumped."""
+    def _stacks_of(self, ranks: list[int], kind: FailureKind, timeout: float | None,
+                   late: set[int]) -> list[RankFailure]:
+        """Failures for ranks still running, each with its Python stack when it can be dumped; those in
+        ``late`` are LATE (Note [failures])."""
         if not ranks:
             return []
         for rank in ranks:
             request_stack_dump(self._workers[rank].process)
         time.sleep(STACK_DUMP_WAIT_S)
         detail = f"after {timeout:.3g} s" if kind is FailureKind.TIMED_OUT and timeout is not None else ""
-        return [RankFailure(r, kind, detail, read_stack(self._stack_dir, r)) for r in ranks]
+        late_detail = "(a peer's collective timed out waiting for it; stopped)"
+        return [RankFailure(r, FailureKind.LATE, late_detail, read_stack(self._stack_dir, r)) if r in late
+                else RankFailure(r, kind, detail, read_stack(self._stack_dir, r)) for r in ranks]
 
     def _recover_or_break(self, what: str, failures: list[RankFailure], replies: dict[int, tuple]) -> None:
         """Note [pool states]: rejoin a fresh process group if every rank came back; then raise."""
