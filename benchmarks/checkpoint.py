@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -77,8 +78,11 @@ def _fsdp_state(trainer) -> dict:
             "optimizer": get_optimizer_state_dict(trainer.module, trainer.optimizer)}
 
 
-def measure_rank(ctx, size: str, root: str, steps: int, repeats: int) -> dict:
-    """One rank: build both systems, warm up, then time save, load and async save for each."""
+def measure_rank(ctx, size: str, root: str, steps: int, repeats: int, partial: str | None = None) -> dict:
+    """One rank: build both systems, warm up, then time save, load and async save for each.
+
+    Rank 0 writes what it has so far to ``partial`` after each system (a run killed midway keeps it).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -129,7 +133,10 @@ def measure_rank(ctx, size: str, root: str, steps: int, repeats: int) -> dict:
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
         out[mode] = result
-        del trainer
+        if partial and ctx.rank == 0:
+            Path(partial).write_text(json.dumps(out, indent=1))
+        del trainer, pending
+        gc.collect()  # the compiled step's graph holds cycles: free this system before building the next
     return out
 
 
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with WorkerPool(args.world, timeout=TIMEOUT_S, threads=1) as pool:
-        per_rank = pool.run(measure_rank, args.size, str(root), args.steps, args.repeats)
+        partial = str(Path(args.out).with_suffix(".partial.json")) if args.out else None
+        per_rank = pool.run(measure_rank, args.size, str(root), args.steps, args.repeats, partial)
     result = {"size": args.size, "world": args.world, "steps": args.steps, "repeats": args.repeats,
               "loadavg": os.getloadavg()[0], "wall_s": time.perf_counter() - started, "modes": per_rank[0]}
     print(report(result))
