@@ -24,19 +24,31 @@ class SpecError(ShardlangError, ValueError):
 
 
 class TraceError(ShardlangError):
-    """The training step could not be traced into one graph."""
+    """The training step could not be traced into one graph.
+
+    ``site`` is the user's line and module where it failed (a
+    `compiler.provenance.UserSite`), when known. Example:
+    ``TraceError("tracing the training step failed at model.py:42 in forward, module 'blocks.0' ...")``.
+    """
+
+    def __init__(self, message: str, *, site=None):
+        super().__init__(message)
+        self.site = site
 
 
 class CompileError(ShardlangError):
     """A compiler pass failed or produced a graph that breaks an invariant.
 
-    ``pass_name`` names the failing pass and ``passes_before`` the ones that ran.
+    ``pass_name`` names the failing pass and ``passes_before`` the ones that ran;
+    ``site`` the user's line and module behind the node it failed on, when known.
     """
 
-    def __init__(self, message: str, *, pass_name: str | None = None, passes_before: tuple[str, ...] = ()):
+    def __init__(self, message: str, *, pass_name: str | None = None, passes_before: tuple[str, ...] = (),
+                 site=None):
         super().__init__(message)
         self.pass_name = pass_name
         self.passes_before = passes_before
+        self.site = site
 
 
 class ScheduleError(CompileError):

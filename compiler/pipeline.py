@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .context import CompileContext
 from .errors import CompileError
+from .provenance import failing_node, site_of_node
 from .passes.accumulate_microbatches import accumulate_microbatches
 from .passes.clip_gradients import clip_gradients
 from .passes.gather_parameters import gather_parameters
@@ -58,15 +59,27 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass] =
         except CompileError as exc:
             if exc.pass_name is None:
                 exc.pass_name, exc.passes_before = name, tuple(done)
-                exc.args = (f"pass {name} failed after {done}: {exc}",)
+                exc.site = exc.site or _site(exc, gm)
+                exc.args = (f"pass {name} failed after {done}{_at(exc.site)}: {exc}",)
             raise
         except Exception as exc:
-            raise CompileError(f"pass {name} failed after {done}: {type(exc).__name__}: {exc}", pass_name=name,
-                               passes_before=tuple(done)) from exc
+            site = _site(exc, gm)
+            raise CompileError(f"pass {name} failed after {done}{_at(site)}: {type(exc).__name__}: {exc}",
+                               pass_name=name, passes_before=tuple(done), site=site) from exc
         done.append(name)
     if dump_dir is not None:
         _dump(gm, dump_dir, f"{len(passes):02d}_final")
     return gm
+
+
+def _site(exc: BaseException, gm: fx.GraphModule):
+    """The user's line and module behind the node the pass was visiting, if it was visiting one."""
+    node = failing_node(exc, gm.graph)
+    return site_of_node(node) if node is not None else None
+
+
+def _at(site) -> str:
+    return f", on the op made at {site}\n" if site else ""
 
 
 def _dump(gm: fx.GraphModule, dump_dir, stem: str) -> None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .errors import TraceError
+from .provenance import site_of_node
 
 
 @torch.library.custom_op("shardlang::data_rank", mutates_args=())
@@ -105,11 +106,12 @@ def check_random_ops(gm: fx.GraphModule) -> None:
     """Under `RandomScheme.GLOBAL`, every random op must come from `GlobalDropout` (else all ranks draw alike)."""
     for node in gm.graph.nodes:
         if is_random(node) and not node.meta.get("custom", {}).get(GLOBAL_DROPOUT):
+            site = site_of_node(node)
             raise TraceError(
                 f"Options(random='global') draws exact global masks for F.dropout (nn.Dropout) only, but the step "
-                f"also draws random numbers with {node.target} (node {node.name}); under 'global' every rank would "
-                "draw the same numbers for different rows. Use Options(random='per_rank'), where each rank draws "
-                "its own, or F.dropout"
+                f"also draws random numbers with {node.target} (node {node.name}) at {site}; under 'global' every "
+                "rank would draw the same numbers for different rows. Use Options(random='per_rank'), where each "
+                "rank draws its own, or F.dropout", site=site,
             )
 
 

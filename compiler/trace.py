@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .flat import FlatParam
 from .optim import GroupedOptimizer, hyper_tensors
+from .provenance import trace_error, tracing_sites
 from .rng import GlobalDropout, check_random_ops
 from .sync_batch_norm import SyncBatchNorm
 from .training import Accumulation, RandomScheme, Training
@@ -143,11 +144,17 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
     _check_microbatches(batch_leaves, training.microbatches)
     step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper),
                             data_parallel_size, training)
-    try:
-        with fx_traceback.preserve_node_meta():
-            gm = make_fx(step_fn, tracing_mode="fake")(*example)
-    except Exception as exc:  # surface the user's error with where it happened
-        raise TraceError(f"tracing the training step failed: {type(exc).__name__}: {exc}") from exc
+    with tracing_sites(model) as sites:
+        try:
+            with fx_traceback.preserve_node_meta():
+                gm = make_fx(step_fn, tracing_mode="fake")(*example)
+        except TraceError:
+            raise
+        except Exception as exc:  # surface the user's error with where it happened and what to do
+            raise trace_error(exc, model, sites) from exc
+    if sites.built:
+        raise TraceError(f"tracing the training step built a module\nwhat to do: {sites.describe_built()}",
+                         site=sites.built[0][1])
     if training.random is RandomScheme.GLOBAL:
         check_random_ops(gm)
     _sum_gradients_early(gm)
