@@ -19,7 +19,6 @@ from .bucket import bucket_flat_params
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
 from .pipeline import DEFAULT_PASSES, run_passes
-from .mutations import check_input_mutations
 from .placement import MeshShape, ParamInfo, Strategy
 from .schedule import Schedule, read_schedule
 from .trace import TracedStep, trace_step
@@ -81,7 +80,6 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
                         training=training)
-    check_input_mutations(traced.graph_module, traced.inputs)
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     check = _structural_check if check_each_pass else None
     gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)

@@ -14,7 +14,7 @@ Two of them give silently wrong numbers once the step is sharded:
 Buffers (BatchNorm statistics) are meant to be updated in place and are left
 alone. Example::
 
-    check_input_mutations(gm, traced_inputs)   # TraceError naming the op, the input and the user's line
+    check_input_mutations(gm.graph, traced_inputs)   # TraceError naming the op, the input and the user's line
 """
 
 from __future__ import annotations
@@ -24,30 +24,36 @@ import torch.fx as fx
 
 from .errors import TraceError
 from .provenance import site_of_node
-from .trace import InputRole, Phase, phase_of, tag_of
+
+# `trace.InputRole` and `trace.Phase` values, by value: trace.py runs this check on a failed trace's partial graph
+_FLAT, _BATCH, _OPTIMIZER = "flat", "batch", "optimizer"
 
 
-def check_input_mutations(gm: fx.GraphModule, inputs) -> None:
-    """Raise `TraceError` at the first in-place op outside the optimizer on a parameter or batch placeholder."""
-    placeholders = {n: spec for n, spec in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)}
-    for node in gm.graph.nodes:
-        if phase_of(node) is Phase.OPTIMIZER:
+def check_input_mutations(graph: fx.Graph, inputs) -> None:
+    """Raise `TraceError` at the first in-place op outside the optimizer on a parameter or batch placeholder.
+
+    ``inputs`` are the graph's `trace.GraphInput` in placeholder order.
+    """
+    placeholders = {n: spec for n, spec in zip((n for n in graph.nodes if n.op == "placeholder"), inputs)}
+    for node in graph.nodes:
+        if node.meta.get("custom", {}).get("phase") == _OPTIMIZER:
             continue
         for arg in _written_args(node):
             spec = placeholders.get(_base(arg))
-            if spec is None or spec.role not in (InputRole.FLAT, InputRole.BATCH):
+            if spec is None or spec.role.value not in (_FLAT, _BATCH):
                 continue
-            member = tag_of(arg, "member")
-            what = (f"batch leaf {spec.name}" if spec.role is InputRole.BATCH
+            member = arg.meta.get("custom", {}).get("member")
+            what = (f"batch leaf {spec.name}" if spec.role.value == _BATCH
                     else f"parameter {member!r}" if member else f"a parameter of flat parameter {spec.name!r}")
             site = site_of_node(node)
             fix = ("shardlang splits the batch over ranks and may run one batch more than once (micro-batches, "
                    "shardlang check), so the caller's tensor must not change: write x = x * 2 instead of x.mul_(2)"
-                   if spec.role is InputRole.BATCH else
+                   if spec.role.value == _BATCH else
                    "inside the step a parameter is a view of a gathered copy that is freed after use, so the "
                    "change would be lost on more than one rank: compute a new tensor (w = w.clamp(...)), or "
                    "change the parameter outside the step")
-            raise TraceError(f"the step changes {what} in place with {node.target} (node {node.name}) at {site}\n"
+            where = f" at {site}" if site else ""
+            raise TraceError(f"the step changes {what} in place with {node.target} (node {node.name}){where}\n"
                              f"what to do: {fix}", site=site)
 
 

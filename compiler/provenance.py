@@ -110,7 +110,55 @@ def module_names(model: torch.nn.Module) -> dict[int, tuple[str, str]]:
 def site_of_exception(exc: BaseException, modules: dict[int, tuple[str, str]]) -> UserSite | None:
     """The innermost user line in ``exc``'s traceback, with the innermost module of ``modules`` running there."""
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    return _site_of_frames(frames, modules)
+    return _site_of_frames(frames, modules) or site_of_backward_failure(exc)
+
+
+def partial_graph(exc: BaseException) -> fx.Graph | None:
+    """The graph make_fx had recorded when it raised ``exc``, from the tracer on the traceback."""
+    return next((v.graph for frame, _ in traceback.walk_tb(exc.__traceback__) for v in frame.f_locals.values()
+                 if isinstance(v, fx.Tracer) and isinstance(getattr(v, "graph", None), fx.Graph)), None)
+
+
+def site_of_backward_failure(exc: BaseException) -> UserSite | None:
+    """For an error raised inside autograd's backward (no user frame): the forward op it is about.
+
+    The partial graph is read from the make_fx tracer on the traceback; the
+    op is the one the message names (an op without a backward formula), or the
+    in-place op that overwrote "output 0 of Exp" that backward needed.
+    """
+    graph = partial_graph(exc)
+    if graph is None:
+        return None
+    text = str(exc)
+    overwritten = re.search(r"modified by an inplace operation: .* output \d+ of (\w+?)(?:Backward\d*)?,", text)
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if overwritten:
+            base = _written_base(node)
+            if base is not None and _op_matches(base, overwritten[1]):
+                return site_of_node(node)
+        elif str(node.target) in text or node.target.name().replace("::", ".") in text:
+            return site_of_node(node)
+    return None
+
+
+def _written_base(node: fx.Node) -> fx.Node | None:
+    arguments = node.target._schema.arguments
+    if not arguments or arguments[0].alias_info is None or not arguments[0].alias_info.is_write:
+        return None
+    base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    while base is not None and base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) \
+            and base.target.is_view and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    return base
+
+
+def _op_matches(node: fx.Node, autograd_name: str) -> bool:
+    """``autograd_name`` is autograd's name for the op (``Exp``, ``Addmm``): the op name without underscores."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target._opname.replace("_", "").lower() == autograd_name.lower()
 
 
 def site_of_stack(modules: dict[int, tuple[str, str]], skip: int = 1) -> UserSite | None:
@@ -166,18 +214,30 @@ def failing_node(exc: BaseException, graph: fx.Graph) -> fx.Node | None:
 
 @attrs.define
 class TracingSites:
-    """What `tracing_sites` saw: the modules built while tracing, each with the user line that built it."""
+    """What `tracing_sites` saw: the modules built while tracing (type, parameter names, the user line)."""
 
-    built: list[tuple[str, UserSite | None]] = attrs.field(factory=list)
+    built: dict[int, tuple[str, list[str], UserSite | None]] = attrs.field(factory=dict)
+
+    def add(self, module_id: int, kind: str, parameter: str | None, site: UserSite | None) -> None:
+        entry = self.built.setdefault(module_id, (kind, [], site))
+        if parameter is not None:
+            entry[1].append(parameter)
+
+    @property
+    def first_site(self) -> UserSite | None:
+        return next(iter(self.built.values()))[2] if self.built else None
 
     def describe_built(self) -> str | None:
         """What to do about the modules built under the tracer; None when there were none."""
         if not self.built:
             return None
-        kind, site = self.built[0]
-        more = f" (and {len(self.built) - 1} more parameters)" if len(self.built) > 1 else ""
+        kind, names, site = next(iter(self.built.values()))
+        if names:
+            kind += f" (parameters {', '.join(map(repr, names))})"
+        if len(self.built) > 1:
+            kind += f" (and {len(self.built) - 1} more modules)"
         return ("build modules once, outside loss_fn (in the model's __init__, or before sl.compile), and call "
-                f"them from the model. A {kind}{more} was built while the step was being traced, at {site}\n"
+                f"them from the model. A {kind} was built while the step was being traced, at {site}\n"
                 "Everything that runs under the tracer is repeated at every step, so a module built there gets "
                 "fresh random weights at each step and is never trained")
 
@@ -227,28 +287,32 @@ class _UserLines(TorchFunctionMode):
 def tracing_sites(model: torch.nn.Module) -> Iterator[TracingSites]:
     """While tracing ``model``: tag nodes with the user line and module that made them; record modules built.
 
-    Global module hooks, removed on exit: a forward pre-hook enters
-    ``fx_traceback.annotate({"module": name})`` and the forward hook leaves it
-    (an exception leaves it entered; the enclosing annotation restores the meta).
+    Global module hooks, removed on exit: a forward pre-hook sets
+    ``meta["custom"]["module"]`` and the forward hook puts back what was there
+    (after an exception, the enclosing ``annotate`` restores the meta).
     """
     modules = module_names(model)
     sites = TracingSites()
-    open_annotations: list[contextlib.AbstractContextManager] = []
+    # the module keys each running forward replaced; restored by hand, not by annotate(), whose generator, left
+    # open by an exception, would restore stale meta whenever it is garbage-collected
+    replaced: list[dict] = []
 
     def enter(module, args):
         if id(module) in modules:
-            name, kind = modules[id(module)]
-            annotation = fx_traceback.annotate({MODULE_KEY: name, MODULE_TYPE_KEY: kind})
-            annotation.__enter__()
-            open_annotations.append(annotation)
+            custom = fx_traceback.current_meta.setdefault("custom", {})
+            replaced.append({k: custom[k] for k in (MODULE_KEY, MODULE_TYPE_KEY) if k in custom})
+            custom[MODULE_KEY], custom[MODULE_TYPE_KEY] = modules[id(module)]
 
     def leave(module, args, output):
-        if id(module) in modules and open_annotations:
-            open_annotations.pop().__exit__(None, None, None)
+        if id(module) in modules and replaced:
+            custom = fx_traceback.current_meta.setdefault("custom", {})
+            custom.pop(MODULE_KEY, None)
+            custom.pop(MODULE_TYPE_KEY, None)
+            custom.update(replaced.pop())
 
     def built(module, name, param):
         if param is not None:
-            sites.built.append((f"{type(module).__name__} (parameter {name!r})", site_of_stack(modules, skip=2)))
+            sites.add(id(module), type(module).__name__, name, site_of_stack(modules, skip=2))
 
     handles = [
         torch.nn.modules.module.register_module_forward_pre_hook(enter),
@@ -295,7 +359,7 @@ _ADVICE = (
     (r"UnsupportedOperatorException|[Nn]o (fake|meta) (impl|kernel)|Meta' backend|not implemented for 'Meta'",
      "an op in the step has no fake-tensor (meta) implementation, so it cannot be traced. Register one with "
      "torch.library.register_fake, or replace the op with supported torch ops"),
-    (r"derivative for .* is not implemented",
+    (r"derivative for .* is not implemented|no autograd formula",
      "an op in the step has no backward formula. Replace it with differentiable torch ops, or wrap it in a "
      "torch.autograd.Function with a backward"),
     (r"not linked with support for cuda|Expected all tensors to be on the same device",
@@ -304,11 +368,24 @@ _ADVICE = (
 )
 
 
+def _module_under_construction(exc: BaseException, modules) -> tuple[str, UserSite | None] | None:
+    """The outermost ``nn.Module.__init__`` on ``exc``'s traceback, and the user line that called it."""
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    for i, frame in enumerate(frames):
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            return type(frame.f_locals["self"]).__name__, _site_of_frames(frames[:i], modules)
+    return None
+
+
 def trace_error(exc: BaseException, model: torch.nn.Module, sites: TracingSites):
     """A `TraceError` for ``exc`` raised under make_fx: the user's line and module, the cause, what to do."""
     from .errors import TraceError
 
-    site = site_of_exception(exc, module_names(model))
+    modules = module_names(model)
+    site = site_of_exception(exc, modules)
+    building = _module_under_construction(exc, modules)
+    if building is not None:  # the failure itself happened while building: name that module first
+        sites.built = {0: (building[0], [], building[1]), **sites.built}
     where = f" at {site}" if site else ""
     advice = sites.describe_built() or advice_for(exc)
     message = f"tracing the training step failed{where}\n{type(exc).__name__}: {exc}"

@@ -107,11 +107,12 @@ def check_random_ops(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if is_random(node) and not node.meta.get("custom", {}).get(GLOBAL_DROPOUT):
             site = site_of_node(node)
+            where = f" at {site}\n" if site else "; "
             raise TraceError(
                 f"Options(random='global') draws exact global masks for F.dropout (nn.Dropout) only, but the step "
-                f"also draws random numbers with {node.target} (node {node.name}) at {site}; under 'global' every "
-                "rank would draw the same numbers for different rows. Use Options(random='per_rank'), where each "
-                "rank draws its own, or F.dropout", site=site,
+                f"also draws random numbers with {node.target} (node {node.name}){where}under 'global' every rank "
+                "would draw the same numbers for different rows. Use Options(random='per_rank'), where each rank "
+                "draws its own, or F.dropout", site=site,
             )
 
 

@@ -41,7 +41,8 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .flat import FlatParam
 from .optim import GroupedOptimizer, hyper_tensors
-from .provenance import trace_error, tracing_sites
+from .mutations import check_input_mutations
+from .provenance import partial_graph, trace_error, tracing_sites
 from .rng import GlobalDropout, check_random_ops
 from .sync_batch_norm import SyncBatchNorm
 from .training import Accumulation, RandomScheme, Training
@@ -151,10 +152,14 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
         except TraceError:
             raise
         except Exception as exc:  # surface the user's error with where it happened and what to do
+            partial = partial_graph(exc)
+            if partial is not None:  # a parameter changed in place often fails later, in backward
+                check_input_mutations(partial, inputs)
             raise trace_error(exc, model, sites) from exc
     if sites.built:
-        raise TraceError(f"tracing the training step built a module\nwhat to do: {sites.describe_built()}",
-                         site=sites.built[0][1])
+        raise TraceError("tracing the training step: a module was built inside it\n"
+                         f"what to do: {sites.describe_built()}", site=sites.first_site)
+    check_input_mutations(gm.graph, inputs)
     if training.random is RandomScheme.GLOBAL:
         check_random_ops(gm)
     _sum_gradients_early(gm)
@@ -295,10 +300,19 @@ def _check_microbatches(batch_leaves, micro: int) -> None:
 
 def _check_loss(loss) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-        described = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else repr(type(loss))
-        raise TraceError(f"loss_fn must return a floating-point scalar tensor; it returned {described}")
+        hint = ""
+        if isinstance(loss, torch.Tensor):
+            described = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+        elif isinstance(loss, (tuple, list, dict)):
+            described = f"a {type(loss).__name__} of {len(loss)} values"
+            hint = "; return the loss alone (compute other values outside the step)"
+        else:
+            described = f"{type(loss).__name__} {repr(loss)[:60]}"
+        raise TraceError(f"loss_fn must return a floating-point scalar tensor; it returned {described}{hint}")
     if not loss.requires_grad:
-        raise TraceError("loss_fn returned a loss that does not depend on any trainable parameter")
+        raise TraceError("loss_fn returned a loss that does not depend on any trainable parameter; compute it from "
+                         "the model's output, and check that the output is not detached and that some parameters "
+                         "have requires_grad=True")
 
 
 def _fake_mode_of(model: torch.nn.Module) -> FakeTensorMode:

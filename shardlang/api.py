@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler.compile import CompiledStep, compile_step
+from .batch import check_example_batch
 from .compiler.optim import AdamW
 from .errors import ShardlangRuntimeError, SpecError
 from .runtime.dist import Backend, DistContext
@@ -60,15 +62,22 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
     optimizer = optimizer or AdamW(lr=1e-3)
     if isinstance(build_model, torch.nn.Module):
         model = build_model
+    elif not callable(build_model):
+        raise SpecError(f"build_model is {type(build_model).__name__} {_short(build_model)}; expected a "
+                        "torch.nn.Module, or a function of no arguments that returns one")
     else:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = build_model()
+        if not isinstance(model, torch.nn.Module):
+            raise SpecError(f"build_model() returned {type(model).__name__} {_short(model)}, not a torch.nn.Module")
     return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None)
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
+    _check_loss_fn(loss_fn)
+    check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
 
     def at_depth(prefetch: int) -> CompiledStep:
@@ -108,6 +117,29 @@ def _deepest_prefetch_within(budget: int, at_depth: Callable[[int], CompiledStep
         else:
             high = depth - 1
     return best
+
+
+def _check_loss_fn(loss_fn) -> None:
+    """``loss_fn`` is called as ``loss_fn(model, batch)``; say so before tracing, where it would fail obscurely."""
+    if not callable(loss_fn):
+        raise SpecError(f"loss_fn is {type(loss_fn).__name__} {_short(loss_fn)}; expected a function "
+                        "loss_fn(model, batch) that returns a scalar tensor")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise SpecError(f"loss_fn {name}{signature} cannot be called as loss_fn(model, batch); it must take the "
+                        "model and the batch, e.g. def loss_fn(model, batch): x, y = batch; "
+                        "return F.mse_loss(model(x), y)") from None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _precision(options, field: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import ShardlangRuntimeError
+from .errors import ShardlangRuntimeError, SpecError
 
 
 def split_batch(global_batch, world_size: int, rank: int):
@@ -36,6 +36,25 @@ def split_batch(global_batch, world_size: int, rank: int):
         per_rank = size // world_size
         parts.append(leaf[rank * per_rank : (rank + 1) * per_rank])
     return pytree.tree_unflatten(parts, spec)
+
+
+def check_example_batch(batch) -> None:
+    """Every leaf of a compile's ``example_batch`` is a tensor: shapes and dtypes are compiled from it.
+
+    Example: ``check_example_batch((x, 3))`` raises, naming leaf 1 and its value.
+    """
+    leaves, _ = pytree.tree_flatten(batch)
+    if not leaves:
+        raise SpecError(f"example_batch {batch!r} has no tensors; give a per-rank batch: a tensor, or a tuple, "
+                        "list or dict of tensors")
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        hint = "; convert it with torch.from_numpy" if type(leaf).__module__ == "numpy" else ""
+        text = repr(leaf)
+        raise SpecError(f"example_batch leaf {index} is {type(leaf).__name__} "
+                        f"{text if len(text) <= 40 else text[:37] + '...'}, not a torch.Tensor{hint}; every leaf "
+                        "of a batch must be a tensor (a tuple, list or dict of tensors is a batch)")
 
 
 def batch_leaves(batch, expected: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torch.device) -> list:

@@ -40,7 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .compiler.optim import SGD, Adam, AdamW
-from .errors import SpecError
+from .errors import ShardlangError, SpecError
 from .mesh import Mesh
 from .spec import Spec
 
@@ -128,7 +128,7 @@ def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn
         model = build(load_job("examples/mlp.py"), seed=0, dtype=torch.float64)
     """
     torch.manual_seed(seed)
-    model = job.build_model()
+    model = _call(job, "build_model")
     if not isinstance(model, torch.nn.Module):
         raise SpecError(f"build_model() in {job.path} returned {type(model).__name__}, not a torch.nn.Module; "
                         f"expected: {_FUNCTIONS['build_model'][1]}")
@@ -145,7 +145,7 @@ def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
 
         x, y = global_batch(load_job("examples/mlp.py"), 0, torch.float64)
     """
-    batch = job.make_batch(step)
+    batch = _call(job, "make_batch", step)
     dtype = dtype or job.dtype
     if dtype is None:
         return batch
@@ -176,6 +176,17 @@ def reference_optimizer(opt: SGD | Adam | AdamW, params: Iterable[torch.nn.Param
     if kind is AdamW:
         return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
     raise SpecError(f"optimizer {opt!r} has no torch.optim reference; expected sl.SGD, sl.Adam or sl.AdamW")
+
+
+def _call(job: Job, name: str, *args):
+    """``job.<name>(*args)``; an exception it raises becomes a `SpecError` naming the job file's line."""
+    try:
+        return getattr(job, name)(*args)
+    except ShardlangError:
+        raise
+    except Exception as exc:
+        call = f"{name}({', '.join(map(repr, args))})"
+        raise SpecError(f"job file {str(job.path)!r}: {call} raised {_describe(exc, job.path)}") from exc
 
 
 def _import_file(file: Path, shown: str):

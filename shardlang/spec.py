@@ -311,6 +311,9 @@ class Spec:
         with _prefixed(self.source):
             mesh = self.mesh.bind(world_size).shape
             named = list(model.named_parameters())
+            if not named:
+                raise SpecError(f"the model ({type(model).__name__}) has no parameters, so there is nothing to shard "
+                                "or train; pass the module that owns the parameters")
             winners = [first_match(self.rules, name) for name, _ in named]
             self._check_every_param_matches(named, winners)
             self._check_every_rule_decides(named, winners)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from .compiler.emit import WORLD_AXIS, bind, group_keys
 from .compiler.flat import unpack_member
 from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
-from .errors import ShardlangRuntimeError
+from .errors import ShardlangRuntimeError, SpecError
 from .lr import LRSchedule
 from .random_state import StepRandom
 from .runtime.dist import DistContext
@@ -129,6 +130,8 @@ class Step:
         if names[0] not in self.hyper:
             raise ShardlangRuntimeError(f"set_lr(group={group!r}): there are {len(self.lrs)} parameter groups, "
                                         f"0..{len(self.lrs) - 1}")
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 <= lr < float("inf"):
+            raise SpecError(f"set_lr(lr={lr!r}): a learning rate is a finite number >= 0, e.g. 3e-4")
         self._write_lrs({n: lr for n in names})
 
     @property

@@ -1,81 +1,44 @@
-"""Bad input gets a clear error naming the value, where it came from, and what would be valid."""
+"""Bad input gets a clear error naming the value, where it came from, and what would be valid.
+
+The cases are the catalogue in `tests/error_catalogue.py`, which also writes
+docs/errors.md; the page is checked against the table here so the two cannot
+drift apart. Trace errors that point at the user's line: tests/test_trace_errors.py.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from torch import nn
 
+from error_catalogue import AREAS, BATCH, CATALOGUE, documented, message_of, mse, mlp
 import shardlang as sl
-from shardlang.batch import split_batch
-from shardlang.runtime import DistContext
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
 
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+@pytest.mark.parametrize("entry", CATALOGUE, ids=lambda entry: entry.id)
+def test_bad_input(entry, tmp_path):
+    message = message_of(entry, tmp_path)
+    missing = [name for name in entry.names if name not in message]
+    assert not missing, f"{entry.id}: the message does not name {missing}:\n{message}"
 
 
-def mse(model, batch):
-    x, y = batch
-    return (model(x) - y).pow(2).mean()
+def test_the_catalogue_spans_every_area_with_unique_ids():
+    ids = [entry.id for entry in CATALOGUE]
+    assert len(ids) == len(set(ids)) >= 25
+    assert {entry.area for entry in CATALOGUE} == set(AREAS)
 
 
-BATCH = (torch.randn(6, 4), torch.randn(6, 2))
-
-
-def test_global_batch_that_does_not_divide_by_the_world():
-    with pytest.raises(sl.ShardlangRuntimeError, match=r"global batch size 6 .* does not divide by world size 4"):
-        split_batch(BATCH, 4, 0)
-
-
-def test_batch_of_the_wrong_shape_names_both_shapes():
-    step = sl.compile(mlp(), mse, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.SGD(lr=0.1), example_batch=BATCH)
-    with pytest.raises(sl.ShardlangRuntimeError, match=r"shape \(3, 4\).*compiled for shape \(6, 4\)"):
-        step((torch.randn(3, 4), torch.randn(3, 2)))
-    with pytest.raises(sl.ShardlangRuntimeError, match="has 1 tensors; the step was compiled for 2"):
-        step((torch.randn(6, 4),))
-
-
-def test_loss_that_is_not_a_scalar():
-    with pytest.raises(sl.TraceError, match=r"scalar tensor; it returned a tensor of shape \(6, 2\)"):
-        sl.compile(mlp(), lambda m, b: m(b[0]), sl.Spec(sl.Mesh(fsdp=1)), example_batch=BATCH)
-
-
-def test_loss_that_does_not_depend_on_parameters():
-    with pytest.raises(sl.TraceError, match="does not depend on any trainable parameter"):
-        sl.compile(mlp(), lambda m, b: b[1].sum() * 1.0, sl.Spec(sl.Mesh(fsdp=1)), example_batch=BATCH)
-
-
-def test_mesh_that_does_not_fit_the_world():
-    with pytest.raises(sl.SpecError, match="4") as err:
-        sl.compile(mlp(), mse, sl.Spec(sl.Mesh(fsdp=4)), example_batch=BATCH, dist_context=DistContext.single())
-    assert "1" in str(err.value)
-
-
-def test_step_run_in_the_wrong_world():
-    compiled = sl.plan(mlp(), mse, sl.Spec(sl.Mesh(fsdp=2)), example_batch=split_batch(BATCH, 2, 0), world_size=2)
-    with pytest.raises(sl.ShardlangRuntimeError, match="compiled for a mesh of 2 ranks but runs in a world of 1"):
-        sl.Step(compiled, mlp(), sl.AdamW(lr=1e-3), DistContext.single())
-
-
-@pytest.mark.parametrize(
-    "make, pattern",
-    [
-        (lambda: sl.SGD(lr=-1.0), "lr=-1.0"),
-        (lambda: sl.AdamW(lr=1e-3, betas=(0.9, 1.5)), r"betas=\(0.9, 1.5\)"),
-        (lambda: sl.SGD(lr=0.1, nesterov=True), "nesterov needs momentum"),
-        (lambda: sl.Adam(lr=1e-3, eps="tiny"), "eps='tiny'"),
-    ],
-)
-def test_bad_optimizer_hyperparameters(make, pattern):
-    with pytest.raises(sl.SpecError, match=pattern):
-        make()
-
-
-def test_spec_that_is_not_a_spec():
-    with pytest.raises(sl.SpecError, match="spec must be a shardlang.Spec, got dict"):
-        sl.compile(mlp(), mse, {"mesh": {"fsdp": 1}}, example_batch=BATCH)
+def test_docs_errors_md_lists_every_entry_with_a_message_that_names_the_value():
+    """Regenerate with ``python tests/error_catalogue.py > docs/errors.md`` when this fails."""
+    page = documented(PAGE.read_text())
+    in_order = [entry.id for area in AREAS for entry in CATALOGUE if entry.area == area]
+    assert list(page) == in_order
+    for entry in CATALOGUE:
+        missing = [name for name in entry.names if name not in page[entry.id]]
+        assert not missing, f"docs/errors.md, {entry.id}: the message shown does not name {missing}"
 
 
 def test_lr_changes_without_retracing():

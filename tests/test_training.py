@@ -314,7 +314,7 @@ def test_step_draws_from_its_own_generator():
 def test_global_random_refuses_other_random_ops():
     case = w.CASES["mlp_noise"]
     spec = sl.Spec(sl.Mesh(fsdp=2), options=sl.Options(random="global"))
-    with pytest.raises(sl.TraceError, match=r"random='global'.*randn.*random='per_rank'"):
+    with pytest.raises(sl.TraceError, match=r"(?s)random='global'.*randn.*random='per_rank'"):
         sl.plan(case.builder, case.loss_fn, spec, example_batch=sl.split_batch(case.make_batch(0), 2, 0),
                 world_size=2)
     with pytest.raises(sl.SpecError, match=r"Options.random is 'rank'.*'per_rank', 'global'"):

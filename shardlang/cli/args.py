@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 
 import attrs
 
@@ -58,6 +59,15 @@ def _float_parser(what: str, ok, expected: str):
         return value
 
     return parse
+
+
+def output_file(text: str) -> str:
+    """A path to write to: its directory must exist (checked before any work, not after it)."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(directory):
+        why = "is a directory" if os.path.isdir(text) else f"is in {directory}, which does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {why}; expected a file path in an existing directory")
+    return text
 
 
 def world_sizes(text: str) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import sys
 from .. import api
 from ..compiler import cost
 from ..job import build, global_batch, load_job
-from .args import add_model_arguments, cost_model, positive
+from .args import add_model_arguments, cost_model, output_file, positive
 from .common import shown, split_for_rank
 
 
@@ -31,10 +31,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     parser.add_argument("--world", metavar="N", type=positive("a world size"), required=True, help="world size")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (only that)")
-    parser.add_argument("--chrome-trace", metavar="PATH", default=None,
+    parser.add_argument("--chrome-trace", metavar="PATH", type=output_file, default=None,
                         help="write the predicted timeline (compute, all-gather, reduce-scatter lanes, memory counter) "
                              "as a Chrome/Perfetto trace")
-    parser.add_argument("--plot", metavar="PNG", default=None,
+    parser.add_argument("--plot", metavar="PNG", type=output_file, default=None,
                         help="draw memory over the schedule, gathers and frees marked (needs matplotlib)")
     add_model_arguments(parser)
     parser.set_defaults(command=main)

@@ -38,7 +38,7 @@ from ..errors import SpecError
 from ..job import Job, build, global_batch, load_job
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import launch
-from .args import positive, seconds
+from .args import output_file, positive, seconds
 from .common import global_mean, load_checked, shown, split_for_rank, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
@@ -59,7 +59,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--steps", metavar="K", type=positive("a number of steps"), default=DEFAULT_RUN_STEPS,
                         help=f"training steps (default {DEFAULT_RUN_STEPS})")
     parser.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
-    parser.add_argument("--trace", metavar="PATH", default=None,
+    parser.add_argument("--trace", metavar="PATH", type=output_file, default=None,
                         help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
                              "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
     parser.add_argument("--timeout", metavar="SECONDS", type=seconds("a timeout"),

@@ -133,6 +133,14 @@ class WorkerPool:
     ):
         check_nproc(nproc)
         check_timeout(collective_timeout, "collective_timeout")
+        if timeout is not None:
+            check_timeout(timeout, "timeout")
+        check_timeout(startup_timeout, "startup_timeout")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+            raise ShardlangRuntimeError(f"grace={grace!r} is not a time in seconds; expected a number >= 0")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ShardlangRuntimeError(f"threads={threads!r} is not a number of threads per rank; expected an "
+                                        "integer >= 1, or None to leave torch's default")
         self._nproc = nproc
         self._timeout = timeout
         self._grace = grace

@@ -1,0 +1,388 @@
+"""The catalogue of bad inputs: one table, from which docs/errors.md is written and the tests are drawn.
+
+Each `BadInput` is something a user gets wrong, the code that tries it, the
+error it must raise and the fragments its message must contain: the offending
+value, where it came from, and what would be valid. `tests/test_errors.py`
+runs every entry and checks that docs/errors.md lists exactly these ids with
+messages that still contain the fragments. Rewrite the page after changing the
+table or a message::
+
+    python tests/error_catalogue.py > docs/errors.md
+
+Job files are written to a temporary folder, shown as ``<tmp>`` in the page, so
+their line numbers in messages are stable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import shardlang as sl
+from shardlang.batch import split_batch
+from shardlang.cli import main as cli_main
+from shardlang.job import load_job
+from shardlang.runtime.dist import DistContext, init_from_env
+from shardlang.runtime.worker_pool import WorkerPool
+
+
+class CommandLineError(Exception):
+    """What ``shardlang ...`` printed on stderr when it exited with code 2 (bad input)."""
+
+
+@dataclass(frozen=True)
+class BadInput:
+    id: str
+    area: str
+    tried: str  # the input, as the user would write it
+    run: Callable[[Path], object]  # tries it, given a fresh temporary folder
+    error: type[BaseException]
+    names: tuple[str, ...]  # what the message must name
+
+
+def message_of(entry: BadInput, tmp: Path) -> str:
+    """The message ``entry`` produces (``tmp`` shown as ``<tmp>``); AssertionError if it raises nothing or else."""
+    try:
+        entry.run(tmp)
+    except entry.error as exc:
+        return str(exc).replace(str(tmp), "<tmp>").strip()
+    raise AssertionError(f"{entry.id}: {entry.tried} raised no {entry.error.__name__}")
+
+
+# ---- helpers the entries use --------------------------------------------------------------------------------------
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def mse(model, batch):
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+BATCH = (torch.randn(6, 4), torch.randn(6, 2))
+
+
+def plan(*, model=mlp, loss_fn=mse, batch=BATCH, spec=None, world=1):
+    return sl.plan(model, loss_fn, spec or sl.Spec(sl.Mesh(fsdp=world)), optimizer=sl.SGD(lr=0.1),
+                   example_batch=batch, world_size=world)
+
+
+def step():
+    return sl.compile(mlp(), mse, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.SGD(lr=0.1), example_batch=BATCH)
+
+
+JOB = '''\
+import torch
+from torch import nn
+import shardlang as sl
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def make_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+'''
+
+
+def job(tmp: Path, extra: str = "", name: str = "job") -> str:
+    """A job file: the working one above, with ``extra`` appended (later definitions win)."""
+    path = tmp / f"{name}.py"
+    path.write_text(JOB + textwrap.dedent(extra))
+    return str(path)
+
+
+def cli(*argv: str) -> None:
+    """``shardlang *argv`` in this process; raises `CommandLineError` with its stderr when it exits with 2."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli_main(list(argv))
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+    if code == 2:
+        raise CommandLineError(err.getvalue())
+    raise AssertionError(f"shardlang {' '.join(argv)} exited {code}, not 2: {err.getvalue()}")
+
+
+ITEM_MODEL = '''
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x) * x.abs().max().item()
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), Scaled())
+'''
+
+BUILT_IN_LOSS = '''
+def loss_fn(model, batch):
+    x, y = batch
+    head = nn.Linear(2, 2)
+    return (head(model(x)) - y).pow(2).mean()
+'''
+
+CLAMP_MODEL = '''
+class Clipped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), Clipped())
+'''
+
+BATCH_IN_PLACE = '''
+def loss_fn(model, batch):
+    x, y = batch
+    x.sub_(x.mean())
+    return (model(x) - y).pow(2).mean()
+'''
+
+
+# ---- the table ----------------------------------------------------------------------------------------------------
+
+S = sl.SpecError
+R = sl.ShardlangRuntimeError
+T = sl.TraceError
+C = CommandLineError
+
+CATALOGUE: tuple[BadInput, ...] = (
+    # spec
+    BadInput("spec-mesh-size-zero", "spec", "sl.Mesh(fsdp=0)", lambda tmp: sl.Mesh(fsdp=0), S,
+             ("'fsdp'", "size 0", "positive int, or -1")),
+    BadInput("spec-mesh-no-axes", "spec", "sl.Mesh()", lambda tmp: sl.Mesh(), S, ("Mesh()", "Mesh(fsdp=4)")),
+    BadInput("spec-mesh-world-mismatch", "spec", "sl.Spec(sl.Mesh(fsdp=4)) planned for world 2",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=4)), world=2, batch=split_batch(BATCH, 2, 0)), S,
+             ("Mesh(fsdp=4)", "4 devices", "world size is 2", "-1")),
+    BadInput("spec-unknown-axis", "spec", "rules=[('*', sl.shard('tp'))] on sl.Mesh(fsdp=1)",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), rules=[("*", sl.shard("tp"))])), S,
+             ("rules[0]", "'tp'", "Mesh(fsdp=1)", "['fsdp']")),
+    BadInput("spec-parameter-matches-no-rule", "spec", "rules=[('0.*', sl.shard('fsdp'))] (no rule for '2.*')",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), rules=[("0.*", sl.shard("fsdp"))])), S,
+             ("'2.weight'", "'2.bias'", "match no rule", "('*', shard('fsdp'))")),
+    BadInput("spec-rule-matches-nothing", "spec", "rules=[('encoder.*', sl.replicate()), ('*', sl.shard('fsdp'))]",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), rules=[("encoder.*", sl.replicate()),
+                                                                   ("*", sl.shard("fsdp"))])), S,
+             ("rules[0]", "'encoder.*'", "matches no parameter", "'0.weight'")),
+    BadInput("spec-unit-matches-nothing", "spec", "units=['encoder.*']",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), units=["encoder.*"])), S,
+             ("units[0]", "'encoder.*'", "matches no module", "'0', '1', '2'")),
+    BadInput("spec-shard-dim-out-of-range", "spec", "rules=[('*', sl.shard('fsdp', dim=3))] on 2-d weights",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=2), rules=[("*", sl.shard("fsdp", dim=3))]), world=2,
+                              batch=split_batch(BATCH, 2, 0)), S,
+             ("dim 3", "'0.weight'", "(8, 4)", "-2..1")),
+    BadInput("spec-options-microbatches", "spec", "sl.Options(microbatches=0)",
+             lambda tmp: sl.Options(microbatches=0), S, ("Options.microbatches is 0", "int >= 1")),
+    BadInput("spec-options-random", "spec", "sl.Options(random='bogus')", lambda tmp: sl.Options(random="bogus"), S,
+             ("'bogus'", "['per_rank', 'global']")),
+    BadInput("spec-mixed-precision-dtype", "spec", "sl.MixedPrecision(param_dtype=torch.int8)",
+             lambda tmp: sl.MixedPrecision(param_dtype=torch.int8), S,
+             ("param_dtype is torch.int8", "floating torch dtype")),
+    BadInput("spec-memory-budget-too-small", "spec", "sl.Options(memory_budget=1000)",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), options=sl.Options(memory_budget=1000))), S,
+             ("memory_budget=1000", "planned peak")),
+    BadInput("spec-not-a-spec", "spec", "sl.compile(model, loss_fn, {'mesh': {'fsdp': 1}}, ...)",
+             lambda tmp: plan(spec={"mesh": {"fsdp": 1}}), S, ("dict", "{'mesh': {'fsdp': 1}}", "shardlang.Spec")),
+    BadInput("spec-optimizer-lr", "spec", "sl.AdamW(lr=-1.0)", lambda tmp: sl.AdamW(lr=-1.0), S,
+             ("lr=-1.0", "non-negative")),
+    BadInput("spec-optimizer-betas", "spec", "sl.AdamW(lr=1e-3, betas=(0.9, 1.5))",
+             lambda tmp: sl.AdamW(lr=1e-3, betas=(0.9, 1.5)), S, ("betas=(0.9, 1.5)", "[0, 1)")),
+    # model and loss
+    BadInput("model-not-a-module", "model", "sl.plan('gpt2', loss_fn, ...)", lambda tmp: plan(model="gpt2"), S,
+             ("str 'gpt2'", "torch.nn.Module")),
+    BadInput("model-build-returns-other", "model", "sl.plan(lambda: [nn.Linear(4, 2)], loss_fn, ...)",
+             lambda tmp: plan(model=lambda: [nn.Linear(4, 2)]), S, ("returned list", "not a torch.nn.Module")),
+    BadInput("model-no-parameters", "model", "sl.plan(nn.ReLU(), loss_fn, ...)", lambda tmp: plan(model=nn.ReLU()),
+             S, ("(ReLU)", "no parameters")),
+    BadInput("model-item-in-forward", "model", "forward reads x.abs().max().item()",
+             lambda tmp: cli("plan", job(tmp, ITEM_MODEL), "--world", "2"), C,
+             ("<tmp>/job.py:25 in forward", "module '1' (Scaled)", "DataDependentOutputException", ".item()")),
+    BadInput("model-built-in-loss-fn", "model", "loss_fn builds nn.Linear(2, 2) at every call",
+             lambda tmp: cli("plan", job(tmp, BUILT_IN_LOSS), "--world", "2"), C,
+             ("Linear (parameters 'weight', 'bias')", "<tmp>/job.py:21 in loss_fn", "outside loss_fn")),
+    BadInput("model-parameter-changed-in-place", "model", "forward clamps self.lin.weight in place under no_grad",
+             lambda tmp: cli("plan", job(tmp, CLAMP_MODEL), "--world", "2"), C,
+             ("parameter '1.lin.weight'", "aten.clamp_", "<tmp>/job.py:26 in forward", "module '1' (Clipped)")),
+    BadInput("loss-not-scalar", "model", "loss_fn returns model(x), shape (6, 2)",
+             lambda tmp: plan(loss_fn=lambda m, b: m(b[0])), T, ("shape (6, 2)", "scalar tensor")),
+    BadInput("loss-returns-tuple", "model", "loss_fn returns (loss, {'acc': acc})",
+             lambda tmp: plan(loss_fn=lambda m, b: (mse(m, b), {"acc": 1.0})), T,
+             ("a tuple of 2 values", "return the loss alone")),
+    BadInput("loss-wrong-signature", "model", "loss_fn = lambda batch: ...",
+             lambda tmp: plan(loss_fn=lambda batch: batch[0].sum()), S,
+             ("<lambda>(batch)", "loss_fn(model, batch)")),
+    BadInput("loss-no-trainable-dependency", "model", "loss_fn returns batch[1].sum() * 1.0",
+             lambda tmp: plan(loss_fn=lambda m, b: b[1].sum() * 1.0), T, ("does not depend on any trainable",)),
+    # batch
+    BadInput("batch-leaf-not-a-tensor", "batch", "example_batch=(x, 3)", lambda tmp: plan(batch=(BATCH[0], 3)), S,
+             ("leaf 1", "int 3", "torch.Tensor")),
+    BadInput("batch-numpy", "batch", "example_batch=(x.numpy(), y.numpy())",
+             lambda tmp: plan(batch=(BATCH[0].numpy(), BATCH[1].numpy())), S,
+             ("leaf 0 is ndarray", "torch.from_numpy")),
+    BadInput("batch-indivisible", "batch", "split_batch(batch of 6 rows, world_size=4, rank=0)",
+             lambda tmp: split_batch(BATCH, 4, 0), R, ("global batch size 6", "world size 4", "multiple of 4")),
+    BadInput("batch-wrong-shape-at-step", "batch", "step((x[:3], y[:3])) after compiling for 6 rows",
+             lambda tmp: step()((BATCH[0][:3], BATCH[1][:3])), R, ("shape (3, 4)", "compiled for shape (6, 4)")),
+    BadInput("batch-wrong-dtype-at-step", "batch", "step((x.double(), y.double())) after compiling for float32",
+             lambda tmp: step()((BATCH[0].double(), BATCH[1].double())), R, ("torch.float64", "torch.float32")),
+    BadInput("batch-structure-at-step", "batch", "step((x,)) after compiling for (x, y)",
+             lambda tmp: step()((BATCH[0],)), R, ("has 1 tensors", "compiled for 2")),
+    BadInput("batch-step-in-the-wrong-world", "batch", "sl.Step(plan for 2 ranks, ...) in a world of 1",
+             lambda tmp: sl.Step(plan(spec=sl.Spec(sl.Mesh(fsdp=2)), world=2, batch=split_batch(BATCH, 2, 0)), mlp(),
+                                 sl.SGD(lr=0.1), DistContext.single()), R,
+             ("compiled for a mesh of 2 ranks", "world of 1")),
+    BadInput("batch-microbatches-indivisible", "batch", "sl.Options(microbatches=4) with 6 rows per rank",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), options=sl.Options(microbatches=4))), T,
+             ("6 rows", "microbatches=4", "multiple of 4")),
+    BadInput("batch-changed-in-place", "batch", "loss_fn does x.sub_(x.mean())",
+             lambda tmp: cli("plan", job(tmp, BATCH_IN_PLACE), "--world", "2"), C,
+             ("batch leaf 0", "aten.sub_", "<tmp>/job.py:21 in loss_fn", "x = x * 2")),
+    BadInput("spec-optimizer-nesterov", "spec", "sl.SGD(lr=0.1, nesterov=True)",
+             lambda tmp: sl.SGD(lr=0.1, nesterov=True), S, ("nesterov needs momentum > 0",)),
+    BadInput("spec-optimizer-eps", "spec", "sl.Adam(lr=1e-3, eps='tiny')", lambda tmp: sl.Adam(lr=1e-3, eps="tiny"), S,
+             ("eps='tiny'", "non-negative number")),
+    BadInput("step-set-lr", "spec", "step.set_lr(-1.0)", lambda tmp: step().set_lr(-1.0), S,
+             ("lr=-1.0", "finite number >= 0")),
+    # job file
+    BadInput("job-missing-file", "job file", "shardlang plan no_such_job.py --world 2",
+             lambda tmp: cli("plan", str(tmp / "no_such_job.py"), "--world", "2"), C,
+             ("<tmp>/no_such_job.py", "does not exist")),
+    BadInput("job-missing-function", "job file", "a job file without make_batch",
+             lambda tmp: load_job(_write(tmp, "import torch\ndef build_model(): pass\ndef loss_fn(m, b): pass\n")),
+             S, ("does not define make_batch", "def make_batch(step: int)")),
+    BadInput("job-syntax-error", "job file", "a job file with `def build_model(:`",
+             lambda tmp: load_job(_write(tmp, "def build_model(:\n    pass\n")), S,
+             ("failed to import", "SyntaxError", "line 1")),
+    BadInput("job-make-batch-raises", "job file", "make_batch raises IndexError at step 0",
+             lambda tmp: cli("plan", job(tmp, "\ndef make_batch(step):\n    return [][step]\n"), "--world", "2"), C,
+             ("make_batch(0) raised IndexError", "line 20", "return [][step]")),
+    BadInput("job-spec-wrong-type", "job file", "spec = 'fsdp'",
+             lambda tmp: cli("plan", job(tmp, "\nspec = 'fsdp'\n"), "--world", "2"), C,
+             ("spec is str 'fsdp'", "sl.Spec(mesh=sl.Mesh(fsdp=-1))")),
+    BadInput("job-dtype", "job file", "dtype = torch.int32",
+             lambda tmp: cli("plan", job(tmp, "\ndtype = torch.int32\n"), "--world", "2"), C,
+             ("dtype is torch.int32", "floating torch.dtype")),
+    # launcher
+    BadInput("launcher-nproc", "launcher", "WorkerPool(0)", lambda tmp: WorkerPool(0), R,
+             ("nproc=0", "integer >= 1")),
+    BadInput("launcher-timeout", "launcher", "WorkerPool(2, timeout=-1)", lambda tmp: WorkerPool(2, timeout=-1), R,
+             ("timeout=-1", "positive number of seconds")),
+    BadInput("launcher-threads", "launcher", "WorkerPool(2, threads=0)", lambda tmp: WorkerPool(2, threads=0), R,
+             ("threads=0", "integer >= 1")),
+    BadInput("launcher-env-world-size", "launcher", "WORLD_SIZE=two under torchrun",
+             lambda tmp: init_from_env({"WORLD_SIZE": "two"}), R, ("WORLD_SIZE='two'", "integer >= 1")),
+    BadInput("launcher-env-rank", "launcher", "RANK=2 with WORLD_SIZE=2",
+             lambda tmp: init_from_env({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}), R,
+             ("RANK='2'", "0..1")),
+    # command line
+    BadInput("cli-world", "CLI", "shardlang plan JOB --world 0", lambda tmp: cli("plan", job(tmp), "--world", "0"),
+             C, ("--world", "'0'", "integer >= 1")),
+    BadInput("cli-world-sizes", "CLI", "shardlang check JOB --world-sizes 1,x",
+             lambda tmp: cli("check", job(tmp), "--world-sizes", "1,x"), C, ("'1,x'", "e.g. 1,2,4")),
+    BadInput("cli-world-indivisible", "CLI", "shardlang plan JOB --world 3 (8 rows per batch)",
+             lambda tmp: cli("plan", job(tmp), "--world", "3"), C,
+             ("make_batch(0)", "global batch size 8", "world size 3")),
+    BadInput("cli-unknown-command", "CLI", "shardlang train JOB", lambda tmp: cli("train", job(tmp)), C,
+             ("'train'", "'run', 'plan', 'diff', 'check'")),
+    BadInput("cli-output-directory", "CLI", "shardlang plan JOB --world 2 --chrome-trace missing/dir/t.json",
+             lambda tmp: cli("plan", job(tmp), "--world", "2", "--chrome-trace", str(tmp / "missing" / "t.json")), C,
+             ("--chrome-trace", "<tmp>/missing/t.json", "does not exist")),
+    BadInput("cli-diff-not-a-plan", "CLI", "shardlang diff other.json JOB (other.json is not a plan)",
+             lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
+             ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
+)
+
+
+def _write(tmp: Path, text: str, name: str = "bad_job.py") -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+# ---- the page -----------------------------------------------------------------------------------------------------
+
+AREAS = ("spec", "model", "batch", "job file", "launcher", "CLI")
+
+INTRO = """\
+# Errors: a catalogue of bad inputs
+
+Every error shardlang raises on purpose is a `shardlang.errors.ShardlangError`
+(`SpecError`, `TraceError`, `CompileError`, `ShardlangRuntimeError`), and its
+message says three things: the offending value, where it came from, and what
+would be valid. Trace and compile errors also name the line of your code and
+the module (its name in `model.named_modules()`) they came from, and what to do
+for the common causes: reading a tensor's value in Python (`.item()`, `if t:`),
+shapes that depend on values, in-place changes to parameters, the batch or
+values backward needs, ops without a fake-tensor kernel or a backward, and work
+done under the tracer that belongs outside it (a module built inside
+`loss_fn`). On the command line each is a `shardlang: error: ...` line with
+exit code 2 (a trace error adds the line of code and what to do beneath it).
+
+Below, each bad input that was tried, and the message it gets (the real text,
+produced by running it; `<tmp>` is the folder holding the job file). Each entry's
+id is a test in `tests/test_errors.py` (`test_bad_input[<id>]`), which checks that
+the message still names the value; `tests/error_catalogue.py` holds the table
+and rewrites this page: `python tests/error_catalogue.py > docs/errors.md`.
+"""
+
+
+_CODE = ("sl.", "step", "WorkerPool", "shardlang ", "example_batch", "rules=", "units=", "split_batch", "spec =",
+         "dtype =", "loss_fn =", "WORLD_SIZE", "RANK")
+
+
+def page(tmp_root: Path) -> str:
+    parts = [INTRO]
+    for area in AREAS:
+        parts.append(f"\n## {area[0].upper() + area[1:]}\n")
+        for entry in (e for e in CATALOGUE if e.area == area):
+            tmp = tmp_root / entry.id
+            tmp.mkdir()
+            message = message_of(entry, tmp)
+            tried = f"`{entry.tried}`" if entry.tried.startswith(_CODE) else entry.tried
+            parts.append(f"\n### `{entry.id}`\n\nTried: {tried}\n\n```text\n{message}\n```\n")
+    return "".join(parts)
+
+
+def documented(text: str) -> dict[str, str]:
+    """``id -> message`` of every entry in a page written by `page`."""
+    entries = {}
+    for block in text.split("\n### `")[1:]:
+        entry_id, rest = block.split("`", 1)
+        entries[entry_id] = rest.split("```text\n", 1)[1].split("\n```", 1)[0] if "```text\n" in rest else ""
+    return entries
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        sys.stdout.write(page(Path(root)))
