@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .flat import FlatParam
 from .optim import GroupedOptimizer, hyper_tensors
+from .dtypes import check_matmul_dtypes
 from .mutations import check_input_mutations
 from .provenance import partial_graph, trace_error, tracing_sites
 from .rng import GlobalDropout, check_random_ops
@@ -160,6 +161,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
         raise TraceError("tracing the training step: a module was built inside it\n"
                          f"what to do: {sites.describe_built()}", site=sites.first_site)
     check_input_mutations(gm.graph, inputs)
+    check_matmul_dtypes(gm.graph)
     if training.random is RandomScheme.GLOBAL:
         check_random_ops(gm)
     _sum_gradients_early(gm)

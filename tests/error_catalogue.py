@@ -34,6 +34,9 @@ from shardlang.runtime.dist import DistContext, init_from_env
 from shardlang.runtime.worker_pool import WorkerPool
 
 
+_ROOT = str(Path(__file__).resolve().parents[1]) + "/"  # the checkout, left out of paths in messages
+
+
 class CommandLineError(Exception):
     """What ``shardlang ...`` printed on stderr when it exited with code 2 (bad input)."""
 
@@ -42,7 +45,7 @@ class CommandLineError(Exception):
 class BadInput:
     id: str
     area: str
-    tried: str  # the input, as the user would write it
+    tried: str  # the input: code, or words with the code in backticks
     run: Callable[[Path], object]  # tries it, given a fresh temporary folder
     error: type[BaseException]
     names: tuple[str, ...]  # what the message must name
@@ -53,7 +56,7 @@ def message_of(entry: BadInput, tmp: Path) -> str:
     try:
         entry.run(tmp)
     except entry.error as exc:
-        return str(exc).replace(str(tmp), "<tmp>").strip()
+        return str(exc).replace(str(tmp), "<tmp>").replace(_ROOT, "").strip()
     raise AssertionError(f"{entry.id}: {entry.tried} raised no {entry.error.__name__}")
 
 
@@ -180,13 +183,13 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("spec-mesh-size-zero", "spec", "sl.Mesh(fsdp=0)", lambda tmp: sl.Mesh(fsdp=0), S,
              ("'fsdp'", "size 0", "positive int, or -1")),
     BadInput("spec-mesh-no-axes", "spec", "sl.Mesh()", lambda tmp: sl.Mesh(), S, ("Mesh()", "Mesh(fsdp=4)")),
-    BadInput("spec-mesh-world-mismatch", "spec", "sl.Spec(sl.Mesh(fsdp=4)) planned for world 2",
+    BadInput("spec-mesh-world-mismatch", "spec", "`sl.Spec(sl.Mesh(fsdp=4))` planned for world 2",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=4)), world=2, batch=split_batch(BATCH, 2, 0)), S,
              ("Mesh(fsdp=4)", "4 devices", "world size is 2", "-1")),
-    BadInput("spec-unknown-axis", "spec", "rules=[('*', sl.shard('tp'))] on sl.Mesh(fsdp=1)",
+    BadInput("spec-unknown-axis", "spec", "`rules=[('*', sl.shard('tp'))]` on `sl.Mesh(fsdp=1)`",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), rules=[("*", sl.shard("tp"))])), S,
              ("rules[0]", "'tp'", "Mesh(fsdp=1)", "['fsdp']")),
-    BadInput("spec-parameter-matches-no-rule", "spec", "rules=[('0.*', sl.shard('fsdp'))] (no rule for '2.*')",
+    BadInput("spec-parameter-matches-no-rule", "spec", "`rules=[('0.*', sl.shard('fsdp'))]` (no rule for `'2.*'`)",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), rules=[("0.*", sl.shard("fsdp"))])), S,
              ("'2.weight'", "'2.bias'", "match no rule", "('*', shard('fsdp'))")),
     BadInput("spec-rule-matches-nothing", "spec", "rules=[('encoder.*', sl.replicate()), ('*', sl.shard('fsdp'))]",
@@ -196,7 +199,7 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("spec-unit-matches-nothing", "spec", "units=['encoder.*']",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), units=["encoder.*"])), S,
              ("units[0]", "'encoder.*'", "matches no module", "'0', '1', '2'")),
-    BadInput("spec-shard-dim-out-of-range", "spec", "rules=[('*', sl.shard('fsdp', dim=3))] on 2-d weights",
+    BadInput("spec-shard-dim-out-of-range", "spec", "`rules=[('*', sl.shard('fsdp', dim=3))]` on 2-d weights",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=2), rules=[("*", sl.shard("fsdp", dim=3))]), world=2,
                               batch=split_batch(BATCH, 2, 0)), S,
              ("dim 3", "'0.weight'", "(8, 4)", "-2..1")),
@@ -207,10 +210,10 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("spec-mixed-precision-dtype", "spec", "sl.MixedPrecision(param_dtype=torch.int8)",
              lambda tmp: sl.MixedPrecision(param_dtype=torch.int8), S,
              ("param_dtype is torch.int8", "floating torch dtype")),
-    BadInput("spec-memory-budget-too-small", "spec", "sl.Options(memory_budget=1000)",
+    BadInput("spec-memory-budget-too-small", "spec", "`sl.Options(memory_budget=1000)` for a model that needs more",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), options=sl.Options(memory_budget=1000))), S,
              ("memory_budget=1000", "planned peak")),
-    BadInput("spec-not-a-spec", "spec", "sl.compile(model, loss_fn, {'mesh': {'fsdp': 1}}, ...)",
+    BadInput("spec-not-a-spec", "spec", "`sl.compile(model, loss_fn, {'mesh': {'fsdp': 1}}, ...)`",
              lambda tmp: plan(spec={"mesh": {"fsdp": 1}}), S, ("dict", "{'mesh': {'fsdp': 1}}", "shardlang.Spec")),
     BadInput("spec-optimizer-lr", "spec", "sl.AdamW(lr=-1.0)", lambda tmp: sl.AdamW(lr=-1.0), S,
              ("lr=-1.0", "non-negative")),
@@ -223,24 +226,24 @@ CATALOGUE: tuple[BadInput, ...] = (
              lambda tmp: plan(model=lambda: [nn.Linear(4, 2)]), S, ("returned list", "not a torch.nn.Module")),
     BadInput("model-no-parameters", "model", "sl.plan(nn.ReLU(), loss_fn, ...)", lambda tmp: plan(model=nn.ReLU()),
              S, ("(ReLU)", "no parameters")),
-    BadInput("model-item-in-forward", "model", "forward reads x.abs().max().item()",
+    BadInput("model-item-in-forward", "model", "forward reads `x.abs().max().item()`",
              lambda tmp: cli("plan", job(tmp, ITEM_MODEL), "--world", "2"), C,
              ("<tmp>/job.py:25 in forward", "module '1' (Scaled)", "DataDependentOutputException", ".item()")),
-    BadInput("model-built-in-loss-fn", "model", "loss_fn builds nn.Linear(2, 2) at every call",
+    BadInput("model-built-in-loss-fn", "model", "`loss_fn` builds `nn.Linear(2, 2)` at every call",
              lambda tmp: cli("plan", job(tmp, BUILT_IN_LOSS), "--world", "2"), C,
              ("Linear (parameters 'weight', 'bias')", "<tmp>/job.py:21 in loss_fn", "outside loss_fn")),
-    BadInput("model-parameter-changed-in-place", "model", "forward clamps self.lin.weight in place under no_grad",
+    BadInput("model-parameter-changed-in-place", "model", "forward clamps `self.lin.weight` in place under `no_grad`",
              lambda tmp: cli("plan", job(tmp, CLAMP_MODEL), "--world", "2"), C,
              ("parameter '1.lin.weight'", "aten.clamp_", "<tmp>/job.py:26 in forward", "module '1' (Clipped)")),
-    BadInput("loss-not-scalar", "model", "loss_fn returns model(x), shape (6, 2)",
+    BadInput("loss-not-scalar", "model", "`loss_fn` returns `model(x)`, of shape (6, 2)",
              lambda tmp: plan(loss_fn=lambda m, b: m(b[0])), T, ("shape (6, 2)", "scalar tensor")),
-    BadInput("loss-returns-tuple", "model", "loss_fn returns (loss, {'acc': acc})",
+    BadInput("loss-returns-tuple", "model", "`loss_fn` returns `(loss, {'acc': acc})`",
              lambda tmp: plan(loss_fn=lambda m, b: (mse(m, b), {"acc": 1.0})), T,
              ("a tuple of 2 values", "return the loss alone")),
     BadInput("loss-wrong-signature", "model", "loss_fn = lambda batch: ...",
              lambda tmp: plan(loss_fn=lambda batch: batch[0].sum()), S,
              ("<lambda>(batch)", "loss_fn(model, batch)")),
-    BadInput("loss-no-trainable-dependency", "model", "loss_fn returns batch[1].sum() * 1.0",
+    BadInput("loss-no-trainable-dependency", "model", "`loss_fn` returns `batch[1].sum() * 1.0`",
              lambda tmp: plan(loss_fn=lambda m, b: b[1].sum() * 1.0), T, ("does not depend on any trainable",)),
     # batch
     BadInput("batch-leaf-not-a-tensor", "batch", "example_batch=(x, 3)", lambda tmp: plan(batch=(BATCH[0], 3)), S,
@@ -248,22 +251,26 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("batch-numpy", "batch", "example_batch=(x.numpy(), y.numpy())",
              lambda tmp: plan(batch=(BATCH[0].numpy(), BATCH[1].numpy())), S,
              ("leaf 0 is ndarray", "torch.from_numpy")),
-    BadInput("batch-indivisible", "batch", "split_batch(batch of 6 rows, world_size=4, rank=0)",
+    BadInput("batch-indivisible", "batch", "`split_batch(batch, world_size=4, rank=0)` on a batch of 6 rows",
              lambda tmp: split_batch(BATCH, 4, 0), R, ("global batch size 6", "world size 4", "multiple of 4")),
-    BadInput("batch-wrong-shape-at-step", "batch", "step((x[:3], y[:3])) after compiling for 6 rows",
-             lambda tmp: step()((BATCH[0][:3], BATCH[1][:3])), R, ("shape (3, 4)", "compiled for shape (6, 4)")),
-    BadInput("batch-wrong-dtype-at-step", "batch", "step((x.double(), y.double())) after compiling for float32",
+    BadInput("batch-wrong-dims-at-step", "batch", "`step((x, y[..., None]))` after compiling for y of shape (6, 2)",
+             lambda tmp: step()((BATCH[0], BATCH[1][..., None])), R, ("leaf 1", "(6, 2, 1)")),
+    BadInput("batch-wrong-dtype-at-step", "batch", "`step((x.double(), y.double()))` after compiling for float32",
              lambda tmp: step()((BATCH[0].double(), BATCH[1].double())), R, ("torch.float64", "torch.float32")),
-    BadInput("batch-structure-at-step", "batch", "step((x,)) after compiling for (x, y)",
-             lambda tmp: step()((BATCH[0],)), R, ("has 1 tensors", "compiled for 2")),
-    BadInput("batch-step-in-the-wrong-world", "batch", "sl.Step(plan for 2 ranks, ...) in a world of 1",
+    BadInput("batch-structure-at-step", "batch", "`step((x,))` after compiling for `(x, y)`",
+             lambda tmp: step()((BATCH[0],)), R, ("1 tensors", "compiled for")),
+    BadInput("batch-step-in-the-wrong-world", "batch", "`sl.Step(compiled, ...)` with a plan for 2 ranks, in a world of 1",
              lambda tmp: sl.Step(plan(spec=sl.Spec(sl.Mesh(fsdp=2)), world=2, batch=split_batch(BATCH, 2, 0)), mlp(),
                                  sl.SGD(lr=0.1), DistContext.single()), R,
              ("compiled for a mesh of 2 ranks", "world of 1")),
-    BadInput("batch-microbatches-indivisible", "batch", "sl.Options(microbatches=4) with 6 rows per rank",
+    BadInput("batch-dtype-of-the-model", "batch", "a `float32` batch for a `float64` model",
+             lambda tmp: plan(model=mlp().double()), T,
+             ("aten.addmm.default", "torch.float32", "torch.float64", "module '0' (Linear)",
+              "give the batch the model's dtype")),
+    BadInput("batch-microbatches-indivisible", "batch", "`sl.Options(microbatches=4)` with 6 rows per rank",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), options=sl.Options(microbatches=4))), T,
              ("6 rows", "microbatches=4", "multiple of 4")),
-    BadInput("batch-changed-in-place", "batch", "loss_fn does x.sub_(x.mean())",
+    BadInput("batch-changed-in-place", "batch", "`loss_fn` does `x.sub_(x.mean())`",
              lambda tmp: cli("plan", job(tmp, BATCH_IN_PLACE), "--world", "2"), C,
              ("batch leaf 0", "aten.sub_", "<tmp>/job.py:21 in loss_fn", "x = x * 2")),
     BadInput("spec-optimizer-nesterov", "spec", "sl.SGD(lr=0.1, nesterov=True)",
@@ -276,13 +283,13 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("job-missing-file", "job file", "shardlang plan no_such_job.py --world 2",
              lambda tmp: cli("plan", str(tmp / "no_such_job.py"), "--world", "2"), C,
              ("<tmp>/no_such_job.py", "does not exist")),
-    BadInput("job-missing-function", "job file", "a job file without make_batch",
+    BadInput("job-missing-function", "job file", "a job file without `make_batch`",
              lambda tmp: load_job(_write(tmp, "import torch\ndef build_model(): pass\ndef loss_fn(m, b): pass\n")),
              S, ("does not define make_batch", "def make_batch(step: int)")),
     BadInput("job-syntax-error", "job file", "a job file with `def build_model(:`",
              lambda tmp: load_job(_write(tmp, "def build_model(:\n    pass\n")), S,
              ("failed to import", "SyntaxError", "line 1")),
-    BadInput("job-make-batch-raises", "job file", "make_batch raises IndexError at step 0",
+    BadInput("job-make-batch-raises", "job file", "`make_batch` raises `IndexError` at step 0",
              lambda tmp: cli("plan", job(tmp, "\ndef make_batch(step):\n    return [][step]\n"), "--world", "2"), C,
              ("make_batch(0) raised IndexError", "line 20", "return [][step]")),
     BadInput("job-spec-wrong-type", "job file", "spec = 'fsdp'",
@@ -298,9 +305,9 @@ CATALOGUE: tuple[BadInput, ...] = (
              ("timeout=-1", "positive number of seconds")),
     BadInput("launcher-threads", "launcher", "WorkerPool(2, threads=0)", lambda tmp: WorkerPool(2, threads=0), R,
              ("threads=0", "integer >= 1")),
-    BadInput("launcher-env-world-size", "launcher", "WORLD_SIZE=two under torchrun",
+    BadInput("launcher-env-world-size", "launcher", "`WORLD_SIZE=two` under torchrun",
              lambda tmp: init_from_env({"WORLD_SIZE": "two"}), R, ("WORLD_SIZE='two'", "integer >= 1")),
-    BadInput("launcher-env-rank", "launcher", "RANK=2 with WORLD_SIZE=2",
+    BadInput("launcher-env-rank", "launcher", "`RANK=2` with `WORLD_SIZE=2`",
              lambda tmp: init_from_env({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}), R,
              ("RANK='2'", "0..1")),
     # command line
@@ -308,15 +315,15 @@ CATALOGUE: tuple[BadInput, ...] = (
              C, ("--world", "'0'", "integer >= 1")),
     BadInput("cli-world-sizes", "CLI", "shardlang check JOB --world-sizes 1,x",
              lambda tmp: cli("check", job(tmp), "--world-sizes", "1,x"), C, ("'1,x'", "e.g. 1,2,4")),
-    BadInput("cli-world-indivisible", "CLI", "shardlang plan JOB --world 3 (8 rows per batch)",
+    BadInput("cli-world-indivisible", "CLI", "`shardlang plan JOB --world 3` with 8 rows per batch",
              lambda tmp: cli("plan", job(tmp), "--world", "3"), C,
              ("make_batch(0)", "global batch size 8", "world size 3")),
     BadInput("cli-unknown-command", "CLI", "shardlang train JOB", lambda tmp: cli("train", job(tmp)), C,
              ("'train'", "'run', 'plan', 'diff', 'check'")),
-    BadInput("cli-output-directory", "CLI", "shardlang plan JOB --world 2 --chrome-trace missing/dir/t.json",
+    BadInput("cli-output-directory", "CLI", "`shardlang plan JOB --world 2 --chrome-trace missing/t.json`",
              lambda tmp: cli("plan", job(tmp), "--world", "2", "--chrome-trace", str(tmp / "missing" / "t.json")), C,
              ("--chrome-trace", "<tmp>/missing/t.json", "does not exist")),
-    BadInput("cli-diff-not-a-plan", "CLI", "shardlang diff other.json JOB (other.json is not a plan)",
+    BadInput("cli-diff-not-a-plan", "CLI", "`shardlang diff other.json JOB`, other.json not a plan",
              lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
              ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
 )
@@ -355,10 +362,6 @@ and rewrites this page: `python tests/error_catalogue.py > docs/errors.md`.
 """
 
 
-_CODE = ("sl.", "step", "WorkerPool", "shardlang ", "example_batch", "rules=", "units=", "split_batch", "spec =",
-         "dtype =", "loss_fn =", "WORLD_SIZE", "RANK")
-
-
 def page(tmp_root: Path) -> str:
     parts = [INTRO]
     for area in AREAS:
@@ -367,7 +370,7 @@ def page(tmp_root: Path) -> str:
             tmp = tmp_root / entry.id
             tmp.mkdir()
             message = message_of(entry, tmp)
-            tried = f"`{entry.tried}`" if entry.tried.startswith(_CODE) else entry.tried
+            tried = entry.tried if "`" in entry.tried else f"`{entry.tried}`"  # an entry without backticks is code
             parts.append(f"\n### `{entry.id}`\n\nTried: {tried}\n\n```text\n{message}\n```\n")
     return "".join(parts)
 

@@ -189,8 +189,7 @@ def test_trace_failure_names_the_line_the_module_and_what_to_do(block, name, cau
     message = str(err.value)
     assert f"at {site(name)} in forward, module 'blocks.1' ({block.__name__})" in message
     assert cause in message
-    assert f"what to do: the" in message or "what to do: an" in message
-    assert advice in message
+    assert "\nwhat to do: " in message and advice in message.split("\nwhat to do: ", 1)[1]
     assert err.value.site.module == "blocks.1" and err.value.site.line == int(site(name).rsplit(":", 1)[1])
 
 
