@@ -81,8 +81,31 @@ def plan(*, model=mlp, loss_fn=mse, batch=BATCH, spec=None, world=1):
                    example_batch=batch, world_size=world)
 
 
-def step():
-    return sl.compile(mlp(), mse, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.SGD(lr=0.1), example_batch=BATCH)
+def step(*, d_in: int = 4, wider: bool = False, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    layers = [nn.Linear(d_in, 8), nn.ReLU(), nn.Linear(8, 2)] + ([nn.Linear(2, 2)] if wider else [])
+    batch = (torch.randn(6, d_in, dtype=dtype), BATCH[1].to(dtype))
+    return sl.compile(nn.Sequential(*layers).to(dtype), mse, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.SGD(lr=0.1),
+                      example_batch=batch)
+
+
+def _saved(tmp: Path) -> Path:
+    """A checkpoint of `step()` after one step."""
+    saving = step()
+    saving(BATCH)
+    saving.save(tmp / "step-1")
+    return tmp / "step-1"
+
+
+def _damaged(path: Path) -> Path:
+    data = path / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    return path
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 JOB = '''\
@@ -177,6 +200,7 @@ S = sl.SpecError
 R = sl.ShardlangRuntimeError
 T = sl.TraceError
 C = CommandLineError
+K = sl.CheckpointError
 
 CATALOGUE: tuple[BadInput, ...] = (
     # spec
@@ -298,6 +322,20 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("job-dtype", "job file", "dtype = torch.int32",
              lambda tmp: cli("plan", job(tmp, "\ndtype = torch.int32\n"), "--world", "2"), C,
              ("dtype is torch.int32", "floating torch.dtype")),
+    # checkpoint
+    BadInput("checkpoint-missing", "checkpoint", "`step.load('nowhere')`", lambda tmp: step().load(tmp / "nowhere"),
+             K, ("<tmp>/nowhere", "not a directory")),
+    BadInput("checkpoint-another-model", "checkpoint", "loading a checkpoint of `mlp()` into a model with one more layer",
+             lambda tmp: step(wider=True).load(_saved(tmp)), K, ("'model.3.weight'", "another model")),
+    BadInput("checkpoint-another-shape", "checkpoint", "loading a checkpoint of `Linear(4, 8)` into `Linear(5, 8)`",
+             lambda tmp: step(d_in=5).load(_saved(tmp)), K, ("'model.0.weight'", "(8, 4)", "(8, 5)")),
+    BadInput("checkpoint-another-dtype", "checkpoint", "loading a float32 checkpoint into a float64 model",
+             lambda tmp: step(dtype=torch.float64).load(_saved(tmp)), K,
+             ("'model.0.weight'", "torch.float32", "torch.float64")),
+    BadInput("checkpoint-truncated", "checkpoint", "a checkpoint whose data file lost its last 100 bytes",
+             lambda tmp: step().load(_damaged(_saved(tmp))), K, ("__0_0.distcp", "truncated")),
+    BadInput("checkpoint-unfinished", "checkpoint", "`step.load('step-2.tmp')`, a save that never finished",
+             lambda tmp: step().load(_mkdir(tmp / "step-2.tmp")), K, ("step-2.tmp", "unfinished save")),
     # launcher
     BadInput("launcher-nproc", "launcher", "WorkerPool(0)", lambda tmp: WorkerPool(0), R,
              ("nproc=0", "integer >= 1")),
@@ -337,7 +375,7 @@ def _write(tmp: Path, text: str, name: str = "bad_job.py") -> str:
 
 # ---- the page -----------------------------------------------------------------------------------------------------
 
-AREAS = ("spec", "model", "batch", "job file", "launcher", "CLI")
+AREAS = ("spec", "model", "batch", "job file", "checkpoint", "launcher", "CLI")
 
 INTRO = """\
 # Errors: a catalogue of bad inputs
@@ -351,7 +389,8 @@ for the common causes: reading a tensor's value in Python (`.item()`, `if t:`),
 shapes that depend on values, in-place changes to parameters, the batch or
 values backward needs, ops without a fake-tensor kernel or a backward, and work
 done under the tracer that belongs outside it (a module built inside
-`loss_fn`). On the command line each is a `shardlang: error: ...` line with
+`loss_fn`). Checkpoint errors (`CheckpointError`) name the tensor or the file
+to blame. On the command line each is a `shardlang: error: ...` line with
 exit code 2 (a trace error adds the line of code and what to do beneath it).
 
 Below, each bad input that was tried, and the message it gets (the real text,
