@@ -9,7 +9,7 @@ Binding to process groups (`compiler.emit`) is left to the caller, so the same
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -19,7 +19,7 @@ from .bucket import bucket_flat_params
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
 from .pipeline import DEFAULT_PASSES, run_passes
-from .placement import MeshShape, ParamInfo, Strategy
+from .placement import MeshShape, ParamInfo, Recompute, Strategy
 from .schedule import Schedule, read_schedule
 from .trace import TracedStep, trace_step
 from .optim import GroupedOptimizer
@@ -58,7 +58,8 @@ class CompiledStep:
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
                  optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 training: Training | None = None, bucket_bytes: int = 0, passes=DEFAULT_PASSES,
+                 training: Training | None = None, bucket_bytes: int = 0,
+                 recompute: Mapping[str, Recompute] | None = None, passes=DEFAULT_PASSES,
                  check_each_pass: bool = False,
                  dump_dir=None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
@@ -68,6 +69,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     (structural checks only; the final schedule is always verified).
     ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`);
     ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.bucket`).
+    ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
     Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
     ZERO3 with ``reshard_after_forward``, ZERO2 without.
     """
@@ -80,7 +82,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
                         training=training)
-    ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
+                         prefetch=prefetch, recompute=dict(recompute or {}))
     check = _structural_check if check_each_pass else None
     gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
@@ -95,5 +98,5 @@ def _structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -
     gm.graph.lint()
     schedule = read_schedule(gm, ctx)
     _check_waits(schedule)
-    if pass_name != "gather_parameters":  # frees come with reshard_after_forward
+    if pass_name not in ("gather_parameters", "recompute_activations"):  # frees come with reshard_after_forward
         _check_gather_lifetimes(schedule)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from .flat import FlatParam
-from .placement import MeshShape
+from .placement import MeshShape, Recompute
 from .trace import GraphInput
 from .training import Training
 
@@ -15,7 +17,8 @@ class CompileContext:
     """The flat parameters, the abstract mesh, the graph's input signature and the options.
 
     ``training`` holds the training features (clipping, parameter groups,
-    accumulation, random numbers; `compiler.training`).
+    accumulation, random numbers; `compiler.training`). ``recompute`` maps a
+    unit's name to its `Recompute` policy (units left out keep everything).
 
     Example: ``CompileContext(flats, MeshShape((("fsdp", 4),)), traced.inputs)``.
     """
@@ -26,6 +29,7 @@ class CompileContext:
     reshard_after_forward: bool = True
     prefetch: int = 1
     training: Training = Training()
+    recompute: Mapping[str, Recompute] = attrs.field(factory=dict)
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

@@ -22,6 +22,7 @@ from .passes.gather_parameters import gather_parameters
 from .passes.gather_updated_shards import gather_updated_shards
 from .passes.limit_reductions_in_flight import limit_reductions_in_flight
 from .passes.prefetch_gathers import prefetch_gathers
+from .passes.recompute_activations import recompute_activations
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
 from .passes.shard_optimizer import shard_optimizer
@@ -32,6 +33,7 @@ Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 DEFAULT_PASSES: tuple[Pass, ...] = (
     split_batch_stat_reductions,
     gather_parameters,
+    recompute_activations,
     reshard_after_forward,
     prefetch_gathers,
     reduce_gradients,

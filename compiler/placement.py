@@ -47,6 +47,23 @@ class Strategy(enum.Enum):
         return self is not Strategy.DDP
 
 
+class Recompute(enum.Enum):
+    """What a unit keeps of its forward for backward, and what it computes again (docs/spec.md, "Recompute").
+
+    - ``NONE``: keep every activation backward reads (the default).
+    - ``FULL``: keep only the unit's inputs (and outputs, which the next unit
+      keeps anyway); run its forward again just before its backward.
+    - ``SELECTIVE``: keep the outputs of matmuls and attention, recompute the
+      cheap ops between them (torchtitan's op-level policy).
+
+    The pass is `compiler.passes.recompute_activations`.
+    """
+
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
 class LayoutKind(enum.Enum):
     """How a parameter is laid out over one mesh axis."""
 

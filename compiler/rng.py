@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from .errors import TraceError
@@ -89,9 +90,9 @@ def is_random(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return True
-    return any(a.name == "dropout_p" for a in target._schema.arguments) and _dropout_p(node) > 0
+    if any(a.name == "dropout_p" for a in target._schema.arguments):  # attention draws only with dropout_p > 0
+        return _dropout_p(node) > 0
+    return torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _dropout_p(node: fx.Node) -> float:
@@ -118,3 +119,53 @@ def check_random_ops(gm: fx.GraphModule) -> None:
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
     return any(is_random(n) for n in gm.graph.nodes)
+
+
+# Note [replayed draws]: a recomputed random op must draw exactly what the
+# forward drew. The forward op is preceded by `save_rng_state` (a copy of its
+# device's generator state, a few KiB on the CPU, 16 bytes on CUDA), and its
+# recompute runs through `with_rng_state`, which swaps that state in, draws, and
+# puts the current state back: the masks are bitwise the forward's, and the
+# generator ends the step where it would have without recompute.
+
+_CPU_STATE_BYTES = 5056  # torch.get_rng_state().numel() for the CPU's Mersenne Twister
+_CUDA_STATE_BYTES = 16  # seed and offset of the Philox generator
+
+
+def save_rng_state(like: torch.Tensor) -> torch.Tensor:
+    """A copy of the state of the generator that a random op on ``like``'s device draws from.
+
+    Example: ``state = save_rng_state(x); a = torch.rand(2); with_rng_state(state, torch.ops.aten.rand.default,
+    [2])`` gives ``a`` again.
+    """
+    if isinstance(like, FakeTensor) or like.device.type == "meta":
+        size = _CUDA_STATE_BYTES if like.device.type == "cuda" else _CPU_STATE_BYTES
+        return torch.empty((size,), dtype=torch.uint8, device="cpu")
+    if like.device.type == "cuda":
+        return torch.cuda.get_rng_state(like.device)
+    return torch.get_rng_state()
+
+
+def with_rng_state(state: torch.Tensor, op, *args, **kwargs):
+    """``op(*args, **kwargs)`` drawn from the generator state ``state`` (`save_rng_state`); the current state is kept.
+
+    The generator is that of the device of the op's first tensor argument (or
+    its ``device`` keyword). On fake tensors (planning) it only runs ``op``.
+    """
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors):
+        return op(*args, **kwargs)
+    device = tensors[0].device if tensors else torch.device(kwargs.get("device") or "cpu")
+    if device.type == "cuda":
+        current = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(state, device)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch.cuda.set_rng_state(current, device)
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch.set_rng_state(current)

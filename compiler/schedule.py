@@ -241,8 +241,14 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         flats=tuple(_flat_summary(f) for f in ctx.flats),
         ops=tuple(builder.ops),
         options={"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch,
-                 **ctx.training.schedule_options()},
+                 **ctx.training.schedule_options(), **_recompute_options(ctx)},
     )
+
+
+def _recompute_options(ctx: CompileContext) -> dict[str, object]:
+    """``{"recompute": {unit label: policy}}`` for the units that recompute; nothing when none does."""
+    chosen = {(unit or "<root>"): p.value for unit, p in sorted(ctx.recompute.items()) if p.value != "none"}
+    return {"recompute": chosen} if chosen else {}
 
 
 def _flat_summary(flat) -> FlatSummary:
@@ -321,14 +327,16 @@ class _Builder:
         elif phase == Phase.OPTIMIZER.value and tag_of(node, "flat") and not kind:
             self.extend_segment(node, OpKind.OPTIMIZER, phase, tag_of(node, "flat"))
         else:
-            self.extend_segment(node, OpKind.COMPUTE, phase, None)
+            self.extend_segment(node, OpKind.COMPUTE, phase, None, tag_of(node, "recompute"))
 
-    def extend_segment(self, node: fx.Node, kind: OpKind, phase: str, flat: str | None) -> None:
+    def extend_segment(self, node: fx.Node, kind: OpKind, phase: str, flat: str | None,
+                       recompute: str | None = None) -> None:
         seg = self.segment
-        if seg is None or seg["kind"] is not kind or seg["phase"] != phase or seg["flat"] != flat:
+        if (seg is None or seg["kind"] is not kind or seg["phase"] != phase or seg["flat"] != flat
+                or seg["recompute"] != recompute):
             self.close_segment()
             seg = self.segment = {"kind": kind, "phase": phase, "flat": flat, "nodes": 0, "uses": [], "numel": 0,
-                                  "names": []}
+                                  "names": [], "recompute": recompute}
         seg["nodes"] += 1
         seg["names"].append(node.name)
         for arg in node.all_input_nodes:
@@ -346,5 +354,8 @@ class _Builder:
         seg, self.segment = self.segment, None
         if seg is None:
             return
-        self.add(seg["kind"], seg["phase"], unit=self.unit_of(seg["flat"]), flat=seg["flat"], nodes=seg["nodes"],
-                 uses=tuple(seg["uses"]), numel=seg["numel"], node_names=tuple(seg["names"]))
+        recompute = seg["recompute"]
+        unit = recompute if recompute is not None else self.unit_of(seg["flat"])
+        self.add(seg["kind"], seg["phase"], unit=unit, flat=seg["flat"], nodes=seg["nodes"], uses=tuple(seg["uses"]),
+                 numel=seg["numel"], detail="recompute" if recompute is not None else "",
+                 node_names=tuple(seg["names"]))

@@ -79,7 +79,8 @@ def _detail(op) -> str:
         return f"h{op.handle}"
     if op.kind is OpKind.COMPUTE:
         uses = f", reads {', '.join(u for u in op.uses)}" if op.uses else ""
-        return f"{op.nodes} nodes{uses}"
+        what = "recompute, " if op.detail == "recompute" else ""
+        return f"{what}{op.nodes} nodes{uses}"
     if op.kind is OpKind.OPTIMIZER:
         return f"{op.flat}: {op.numel} elements in place"
     if op.kind is OpKind.FREE:

@@ -17,8 +17,10 @@ and the optimizer updates the flat input and its state in place.
 
 Nodes carry ``meta["custom"]`` tags that the passes read instead of guessing:
 ``phase`` (forward / backward / optimizer), ``member`` on the nodes that build a
-parameter's leaf, ``grad_flat`` on the concatenated gradient and ``flat`` on a
-flat parameter's optimizer update.
+parameter's leaf, ``grad_flat`` on the concatenated gradient, ``flat`` on a
+flat parameter's optimizer update, and ``unit`` on every forward node that runs
+inside a unit's module (the innermost one; ``""`` for the model itself outside
+every other unit; nodes of the loss function outside the model have none).
 
 Note [no decomposition]: make_fx runs without a decomposition table, so
 ``scaled_dot_product_attention`` stays one fused forward op with its matching
@@ -148,7 +150,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
                             data_parallel_size, training)
     with tracing_sites(model) as sites:
         try:
-            with fx_traceback.preserve_node_meta():
+            with fx_traceback.preserve_node_meta(), _annotate_units(model, {f.unit for f in flats}):
                 gm = make_fx(step_fn, tracing_mode="fake")(*example)
         except TraceError:
             raise
@@ -235,6 +237,40 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
         return loss_sum.to(master_dtype) if compute_dtype is not None else loss_sum
 
     return step_fn
+
+
+@contextlib.contextmanager
+def _annotate_units(model: torch.nn.Module, units):
+    """While tracing, tag each node made inside a unit's module with ``unit`` (the innermost unit wins).
+
+    Forward pre-hooks and hooks on the unit modules enter and leave an
+    annotation; they are removed when tracing ends, so the user's model is left
+    as it was. The recompute pass reads these tags.
+    """
+    open_annotations: list[contextlib.ExitStack] = []
+    handles = []
+
+    def enter(name: str):
+        def hook(_module, _args):
+            stack = contextlib.ExitStack()
+            stack.enter_context(fx_traceback.annotate({"unit": name}))
+            open_annotations.append(stack)
+        return hook
+
+    def leave(_module, _args, _output):
+        open_annotations.pop().close()
+
+    for name in sorted(units):
+        module = model.get_submodule(name) if name else model
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while open_annotations:
+            open_annotations.pop().close()
 
 
 def _sum_gradients_early(gm: torch.fx.GraphModule) -> None:

@@ -12,7 +12,12 @@
   5. each flat parameter communicates as its strategy says: ZERO3 gathers at
      most twice (forward, and again for backward), ZERO2 at most once, ZERO1
      never before its update and exactly once (the updated shards) after it,
-     DDP never (docs/strategies.md).
+     DDP never (docs/strategies.md);
+  6. a recompute (compute ops with detail "recompute") runs in backward, after
+     every forward op, and every gathered flat parameter it reads stays
+     gathered until that unit's backward reads it: one gather serves the
+     recompute and the backward, never one of its own (Note [one gather for
+     recompute and backward] in passes/recompute_activations.py).
 
 `verify` raises `ScheduleError` naming the op and the flat parameter at fault.
 Tests run it after every pass; `compile` runs it once at the end.
@@ -31,6 +36,7 @@ def verify(schedule: Schedule) -> None:
     _check_reductions(schedule)
     _check_optimizer_locality(schedule)
     _check_strategies(schedule)
+    _check_recompute(schedule)
 
 
 def _check_waits(schedule: Schedule) -> None:
@@ -161,3 +167,35 @@ def _check_strategies(schedule: Schedule) -> None:
             raise ScheduleError(f"{flat.strategy} {flat.name} is gathered {len(ops)} times (ops "
                                 f"{[op.index for op in ops]}); {flat.strategy} allows at most "
                                 f"{allowed.get(flat.strategy, 0)}")
+
+
+def _check_recompute(schedule: Schedule) -> None:
+    ops = schedule.ops
+    recomputes = [op for op in ops if op.kind is OpKind.COMPUTE and op.detail == "recompute"]
+    if not recomputes:
+        return
+    last_forward: dict = {}  # micro-batch -> its last forward op before its first backward op
+    started: set = set()
+    for op in ops:
+        if op.phase == "backward":
+            started.add(op.microbatch)
+        elif op.phase == "forward" and op.microbatch not in started:
+            last_forward[op.microbatch] = op.index
+    for op in recomputes:
+        if op.phase != "backward" or op.index < last_forward.get(op.microbatch, -1):
+            raise ScheduleError(f"op {op.index} recomputes unit {op.unit or '<root>'} in {op.phase}, before forward "
+                                f"ends (op {last_forward.get(op.microbatch)}); a recompute belongs to backward")
+        for flat in op.uses:
+            _check_gather_reused(schedule, op, flat)
+
+
+def _check_gather_reused(schedule: Schedule, recompute, flat: str) -> None:
+    """Between the recompute's read of ``flat`` and its next free, the unit's backward reads it too."""
+    for op in schedule.ops[recompute.index + 1:]:
+        if op.kind is OpKind.FREE and op.flat == flat:
+            break
+        if op.kind is OpKind.COMPUTE and op.detail != "recompute" and op.phase == "backward" and flat in op.uses:
+            return
+    raise ScheduleError(f"op {recompute.index} recomputes unit {recompute.unit or '<root>'} reading {flat}, but no "
+                        "backward op reads that gather after it: the recompute gathered its parameters for itself "
+                        "alone, instead of sharing the backward's gather")

@@ -31,6 +31,7 @@ from .errors import (
 from .layout import Replicate, Shard, replicate, shard
 from .mesh import Mesh
 from .precision import MixedPrecision
+from .recompute import Recompute, RecomputeRule
 from .rules import Rule
 from .spec import Options, ResolvedSpec, Spec
 from .strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
@@ -44,4 +45,5 @@ __all__ = [
     "compile", "plan", "replicate", "shard", "split_batch", "verify",
     "Accumulation", "ParamGroup", "RandomScheme",
     "DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3",
+    "Recompute", "RecomputeRule",
 ]

@@ -87,7 +87,7 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
             param_dtype=_precision(resolved.options, "param_dtype"),
             reduce_dtype=_precision(resolved.options, "reduce_dtype"),
             training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
-            check_each_pass=check_each_pass, dump_dir=dump_dir,
+            recompute=resolved.recompute, check_each_pass=check_each_pass, dump_dir=dump_dir,
         )
 
     budget = resolved.options.memory_budget

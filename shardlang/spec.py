@@ -2,7 +2,8 @@
 
 A spec has four parts: the mesh (`shardlang.mesh`), the rules that give each
 parameter a layout (`shardlang.rules`), the units that are gathered together
-(`shardlang.units`), and `Options`. It is written in Python::
+(`shardlang.units`), and `Options`; optionally, per unit, a strategy
+(`shardlang.strategy`) and a recompute policy (`shardlang.recompute`). It is written in Python::
 
     spec = Spec(
         mesh=Mesh(fsdp=4),
@@ -27,12 +28,13 @@ import attrs
 from torch import nn
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import MeshShape, ParamInfo, Placement, Strategy
+from shardlang.compiler.placement import MeshShape, ParamInfo, Placement, Recompute, Strategy
 from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
 from shardlang.precision import MixedPrecision
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang import training
+from shardlang.recompute import RecomputeRule, first_recompute, recompute_rule_from_dict, to_recompute
 from shardlang.strategy import StrategyRule, first_strategy, strategy_repr, strategy_rule_from_dict, to_strategies
 from shardlang.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
 
@@ -43,7 +45,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
-_SPEC_KEYS = ("mesh", "rules", "units", "strategies", "options", "param_groups")
+_SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
                 "random", "seed", "bucket_bytes", "memory_budget")
 _SHOWN_NAMES = 12
@@ -166,8 +168,10 @@ class Spec:
 
     ``rules`` defaults to ``[("*", shard(<last mesh axis>))]``: every parameter
     sharded flat. ``units`` defaults to None: the repeated children of every
-    ModuleList / Sequential. Lists become tuples; everything is checked here, and
-    again against the model in `resolve`. ``source`` says where the spec came from
+    ModuleList / Sequential. ``strategies`` and ``recompute`` are
+    ``(unit pattern, value)`` pairs, first match wins (`shardlang.strategy`,
+    `shardlang.recompute`), e.g. ``recompute=[("blocks.*", "full")]``. Lists
+    become tuples; everything is checked here, and again against the model in `resolve`. ``source`` says where the spec came from
     (a file, a table) for error messages; it is not part of the value. Example::
 
         >>> from shardlang.layout import replicate, shard
@@ -186,6 +190,7 @@ class Spec:
     options: Options = attrs.field(factory=Options, validator=_check_options)
     param_groups: tuple[training.ParamGroup, ...] = attrs.field(default=(), converter=training.to_param_groups)
     strategies: tuple[StrategyRule, ...] | None = attrs.field(default=None, converter=to_strategies)
+    recompute: tuple[RecomputeRule, ...] | None = attrs.field(default=None, converter=to_recompute)
     source: str = attrs.field(default="the spec", kw_only=True, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -237,8 +242,14 @@ class Spec:
                     raise SpecError(f"strategies is {strategies!r}; it must be a list of strategy tables "
                                     "([[strategies]] in TOML)")
                 strategies = [strategy_rule_from_dict(r, f"strategies[{i}]") for i, r in enumerate(strategies)]
+            recompute = d.get("recompute")
+            if recompute is not None:
+                if not isinstance(recompute, list):
+                    raise SpecError(f"recompute is {recompute!r}; it must be a list of recompute tables "
+                                    "([[recompute]] in TOML: pattern = 'blocks.*', policy = 'full')")
+                recompute = [recompute_rule_from_dict(r, f"recompute[{i}]") for i, r in enumerate(recompute)]
             return cls(mesh, rules=rules, units=d.get("units"), options=options, param_groups=groups,
-                       strategies=strategies, source=source)
+                       strategies=strategies, recompute=recompute, source=source)
 
     @classmethod
     def from_toml(cls, path: str | Path, table: str | None = None) -> Spec:
@@ -282,6 +293,8 @@ class Spec:
             d["param_groups"] = [g.to_dict() for g in self.param_groups]
         if self.strategies is not None:
             d["strategies"] = [r.to_dict() for r in self.strategies]
+        if self.recompute is not None:
+            d["recompute"] = [r.to_dict() for r in self.recompute]
         return d
 
     def to_toml(self, table: str | None = "shardlang") -> str:
@@ -319,6 +332,7 @@ class Spec:
             self._check_every_rule_decides(named, winners)
             units = frozenset(find_units(model, self.units))
             strategy_of = self._unit_strategies(units)
+            recompute = self._unit_recompute(units)
             params, failures = [], []
             for (name, p), i in zip(named, winners):
                 try:
@@ -335,7 +349,8 @@ class Spec:
             self._check_no_failed_placements(failures)
             group_of = training.assign_groups([(name, p.requires_grad) for name, p in named], self.param_groups)
         return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options, param_groups=self.param_groups,
-                            group_of=group_of)
+                            group_of=group_of, recompute={u: p for u, p in recompute.items() if u in
+                                                          {info.unit for info in params}})
 
     def _unit_strategies(self, units: frozenset[str]) -> dict[str, Strategy]:
         """Each unit's strategy (first matching strategy rule, else the default); checks every rule decides one."""
@@ -360,6 +375,29 @@ class Spec:
                 "the first match wins, so move it before them or remove it"
             )
         return {unit: default if i is None else self.strategies[i].strategy for unit, i in winners.items()}
+
+    def _unit_recompute(self, units: frozenset[str]) -> dict[str, Recompute]:
+        """Each unit's recompute policy (first matching rule, else NONE); checks every rule decides one."""
+        labels = [ROOT_UNIT, *sorted(units)]
+        if not self.recompute:
+            return {unit: Recompute.NONE for unit in labels}
+        winners = {unit: first_recompute(self.recompute, unit_label(unit)) for unit in labels}
+        for i, rule in enumerate(self.recompute):
+            if i in winners.values():
+                continue
+            matched = [unit_label(u) for u in labels if rule.matches(unit_label(u))]
+            if not matched:
+                raise SpecError(
+                    f"recompute[{i}] = {rule!r} matches no unit; recompute patterns match whole unit names "
+                    f"such as {_some([unit_label(u) for u in labels])} (units are modules; see units=)"
+                )
+            earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
+            raise SpecError(
+                f"recompute[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
+                f"an earlier rule ({', '.join(f'recompute[{j}] = {self.recompute[j]!r}' for j in earlier)}); "
+                "the first match wins, so move it before them or remove it"
+            )
+        return {unit: Recompute.NONE if i is None else self.recompute[i].policy for unit, i in winners.items()}
 
     def _check_no_failed_placements(self, failures: list[tuple[int, str, SpecError]]) -> None:
         if not failures:
@@ -416,6 +454,7 @@ class ResolvedSpec:
     options: Options
     param_groups: tuple[training.ParamGroup, ...] = ()
     group_of: dict[str, int] = attrs.field(factory=dict)  # trainable parameter -> its group (1-based), if any
+    recompute: dict[str, Recompute] = attrs.field(factory=dict)  # unit -> its recompute policy
 
     @property
     def units(self) -> tuple[str, ...]:
