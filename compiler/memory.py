@@ -30,6 +30,15 @@ object owns it). `gloo_scratch` takes those upper bounds and the plan counts
 ``scratch[kind] * payload`` bytes from the issue until the wait, so it never
 promises memory that a run may need; `NO_SCRATCH` is NCCL's.
 
+Note [activations per unit]: a forward value belongs to the unit whose module
+made it (``meta["custom"]["unit"]``, `compiler.trace`). A unit's *kept* bytes
+are its activations still live when backward starts (at the first backward
+node): what it holds from forward to backward. Its *recomputed* bytes are the
+new storages its recompute makes in backward (`passes.recompute_activations`):
+what it would otherwise have kept, made again just before its backward and
+freed by it. Under "full" a unit keeps little but its input; the plan shows
+both per unit (`MemoryPlan.units`).
+
 Example::
 
     plan = plan_memory(compiled.graph_module, compiled.schedule, compiled.context.inputs)
@@ -52,7 +61,7 @@ from . import collectives
 from .graph_utils import sl_tag
 from .schedule import COLLECTIVE_KINDS, Schedule
 from .schedule_format import human_bytes
-from .trace import GraphInput, InputRole, Phase, phase_of
+from .trace import GraphInput, InputRole, Phase, phase_of, tag_of
 
 
 class Category(enum.Enum):
@@ -124,6 +133,22 @@ class OpMemory:
 
 
 @attrs.frozen
+class UnitActivations:
+    """One unit's activations (Note [activations per unit]): bytes kept from forward to backward, bytes recomputed.
+
+    Example: ``UnitActivations("blocks.0", "full", kept=65536, recomputed=917504)``.
+    """
+
+    unit: str
+    policy: str
+    kept: int
+    recomputed: int
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
 class MemoryPlan:
     """The bytes live on one rank over one step, per node and per schedule op, with the peak's breakdown.
 
@@ -142,6 +167,7 @@ class MemoryPlan:
     ops: tuple[OpMemory, ...]
     nodes: tuple[NodeMemory, ...]
     scratch: dict[str, float]
+    units: tuple[UnitActivations, ...] = ()
 
     @property
     def peak_category(self) -> str:
@@ -157,6 +183,7 @@ class MemoryPlan:
             "breakdown": dict(self.breakdown),
             "persistent": self.persistent,
             "scratch": dict(self.scratch),
+            "units": [u.to_dict() for u in self.units],
             "ops": [op.to_dict() for op in self.ops],
         }
 
@@ -172,7 +199,20 @@ class MemoryPlan:
             if nbytes:
                 share = 100 * nbytes / self.peak if self.peak else 0.0
                 lines.append(f"  {name:<20}{human_bytes(nbytes):>12}{share:>7.1f}%")
-        return "\n".join(lines)
+        return "\n".join(lines + self.units_lines())
+
+    def units_lines(self) -> list[str]:
+        """Per unit: its recompute policy, the activation bytes it keeps for backward and those it recomputes."""
+        shown = [u for u in self.units if u.kept or u.recomputed]
+        if not shown:
+            return []
+        width = max(12, *(len(u.unit or "<root>") + 2 for u in shown))
+        lines = [f"activations per unit (kept from forward to backward; recomputed in backward):",
+                 f"  {'unit':<{width}}{'recompute':<11}{'kept':>12}{'recomputed':>12}"]
+        for u in shown:
+            lines.append(f"  {u.unit or '<root>':<{width}}{u.policy:<11}{human_bytes(u.kept):>12}"
+                         f"{human_bytes(u.recomputed):>12}")
+        return lines
 
 
 def plan_memory(gm: fx.GraphModule, schedule: Schedule, inputs: tuple[GraphInput, ...], *,
@@ -198,8 +238,17 @@ def plan_memory(gm: fx.GraphModule, schedule: Schedule, inputs: tuple[GraphInput
     return MemoryPlan(
         world_size=schedule.world_size, peak=peak.during, peak_op=peak.op, peak_node=peak.name,
         breakdown=sim.breakdown_during[peak_i], persistent=sim.persistent, ops=ops, nodes=tuple(nodes),
-        scratch=dict(shown),
+        scratch=dict(shown), units=_units(schedule, sim),
     )
+
+
+def _units(schedule: Schedule, sim: "_Simulator") -> tuple[UnitActivations, ...]:
+    """Note [activations per unit], in the order of the units' flat parameters."""
+    policies = schedule.options.get("recompute", {})
+    names = dict.fromkeys(f.unit for f in schedule.flats)
+    names.update(dict.fromkeys(sim.kept_by_unit))
+    return tuple(UnitActivations(unit, policies.get(unit or "<root>", "none"), sim.kept_by_unit.get(unit, 0),
+                                 sim.recomputed_by_unit.get(unit, 0)) for unit in names)
 
 
 def _per_op(schedule: Schedule, nodes: list[NodeMemory], sim: "_Simulator") -> tuple[OpMemory, ...]:
@@ -244,6 +293,8 @@ class _Simulator:
         self.scratch = scratch
         self.persistent = 0
         self.breakdown_during: list[dict[str, int]] = []
+        self.kept_by_unit: dict[str, int] = {}  # Note [activations per unit]
+        self.recomputed_by_unit: dict[str, int] = {}
 
     def run(self, op_of: dict[str, int]) -> list[NodeMemory]:
         pos = {n: i for i, n in enumerate(self.nodes)}
@@ -260,7 +311,12 @@ class _Simulator:
         live = {c.value: 0 for c in Category}
         scratch_until: dict[fx.Node, tuple[fx.Node, int]] = {}  # wait node -> (issue, bytes)
         records = []
+        made_by: dict[StorageWeakRef, fx.Node] = {}
+        in_backward = False
         for i, node in enumerate(self.nodes):
+            if not in_backward and phase_of(node) is Phase.BACKWARD:
+                in_backward = True
+                self._count_kept(refs, size, category, made_by)
             allocated = 0
             keys = []
             for key, nbytes in _storages(node.meta.get("val")):
@@ -270,6 +326,10 @@ class _Simulator:
                     refs[key] = 0
                     live[category[key].value] += nbytes
                     allocated += nbytes
+                    made_by[key] = node
+                    recompute = tag_of(node, "recompute")
+                    if recompute is not None:
+                        self.recomputed_by_unit[recompute] = self.recomputed_by_unit.get(recompute, 0) + nbytes
                 refs[key] += 1
             held[node] = keys
             if node.op == "placeholder":
@@ -288,6 +348,14 @@ class _Simulator:
             records.append(NodeMemory(node.name, op_of.get(node.name), allocated, freed, during, sum(live.values()),
                                       released))
         return records
+
+    def _count_kept(self, refs, size, category, made_by) -> None:
+        """The activations live as backward starts, by the unit that made them (Note [activations per unit])."""
+        for key, count in refs.items():
+            if count > 0 and category[key] is Category.ACTIVATIONS:
+                unit = tag_of(made_by[key], "unit")
+                if unit is not None:
+                    self.kept_by_unit[unit] = self.kept_by_unit.get(unit, 0) + size[key]
 
     def _issue(self, node: fx.Node, live: dict, scratch_until: dict) -> int:
         kind = sl_tag(node).get("kind")
@@ -363,6 +431,6 @@ def _node_category(node: fx.Node) -> Category:
         return Category.GRADIENT_BUFFERS
     if tag.get("flat") is not None and kind in ("reduce_scatter", "all_reduce", "wait_reduce", "average"):
         return Category.GRADIENT_SHARDS
-    if phase_of(node) is Phase.FORWARD:
+    if phase_of(node) is Phase.FORWARD or tag_of(node, "recompute") is not None:  # made in forward, or again
         return Category.ACTIVATIONS
     return Category.TEMPORARIES

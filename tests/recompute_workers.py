@@ -48,7 +48,7 @@ CASES = {
 }
 
 
-def train_each(ctx, case_name: str, runs: list[dict], steps: int = 3):
+def train_each(ctx, case_name: str, runs: list[dict], steps: int = 2):
     """Train ``steps`` steps once per spec dict in ``runs`` (keys ``recompute``, ``options``) on this rank.
 
     Returns, per run, ``(losses, full parameters, schedule dict)``.
@@ -63,7 +63,7 @@ def train_each(ctx, case_name: str, runs: list[dict], steps: int = 3):
     return out
 
 
-def reference_global_dropout(case_name: str, steps: int = 3, seed: int = 0):
+def reference_global_dropout(case_name: str, steps: int = 2, seed: int = 0):
     """One process on the global batch, AdamW, generator seeded with ``seed`` (what ``random="global"`` matches)."""
     case = CASES[case_name]
     model = case.build(torch.float64)

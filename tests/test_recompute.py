@@ -1,7 +1,7 @@
 """Activation recompute: the spec field, the pass's invariants, and bitwise parity with the step that keeps.
 
 Parity: the tiny GPT with dropout (p = 0.25 on every block's attention and MLP
-outputs) trains 3 AdamW steps in float64 with recompute "none", "full" and
+outputs) trains 2 AdamW steps in float64 with recompute "none", "full" and
 "selective" on its blocks, under ZeRO-3 and ZeRO-2, at N = 1, 2 and 4: losses
 and parameters must be bitwise equal to "none"'s, under both random schemes
 (a recompute that drew fresh masks would differ at the first step).
@@ -177,3 +177,17 @@ def test_recompute_moves_the_same_collectives_at_run_time(run_on):
     for (counts, _), (r_counts, r_schedule) in zip(kept, recomputed):
         assert r_counts == counts
         assert r_schedule["collectives"]["all_gather"] == 4  # root once, blocks.0 twice, blocks.1 once (kept last)
+
+
+def test_memory_plan_shows_kept_and_recomputed_bytes_per_unit():
+    kept = {u.unit: u for u in _plan().memory.units}
+    plan = _plan(recompute=[("blocks.0", "full"), ("blocks.1", "selective")]).memory
+    units = {u.unit: u for u in plan.units}
+    assert [units[u].policy for u in ("", "blocks.0", "blocks.1")] == ["none", "full", "selective"]
+    assert units[""].recomputed == 0 and kept["blocks.0"].recomputed == 0
+    assert units["blocks.0"].kept < units["blocks.1"].kept < kept["blocks.1"].kept
+    assert units["blocks.0"].recomputed > units["blocks.1"].recomputed > 0
+    assert units[""].kept == kept[""].kept  # the root keeps what it kept
+    text = plan.summary_text()
+    assert "activations per unit" in text and "blocks.0    full" in text
+    assert plan.to_dict()["units"][1] == units["blocks.0"].to_dict()
