@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings(args.world, args.seq_len, args.global_batch, args.reps, args.size)
     torch.set_num_threads(1)
-    plans = planned_peaks(settings)
     with WorkerPool(settings.world, timeout=3600, threads=1) as pool:
         ranks = pool.run(measure_rank, settings)
+    plans = planned_peaks(settings)
     result = report(settings, ranks, plans)
     result["command"] = "python -m benchmarks.recompute " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(result)

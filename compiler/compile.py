@@ -35,6 +35,7 @@ class CompiledStep:
     context: CompileContext
     schedule: Schedule
     traced: TracedStep
+    budget: object = None  # `compiler.budget.BudgetChoice`, when Options.memory_budget chose the options
 
     @property
     def flats(self) -> tuple[FlatParam, ...]:
@@ -61,7 +62,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                  training: Training | None = None, bucket_bytes: int = 0,
                  recompute: Mapping[str, Recompute] | None = None, passes=DEFAULT_PASSES,
                  check_each_pass: bool = False,
-                 dump_dir=None) -> CompiledStep:
+                 dump_dir=None, traced: TracedStep | None = None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -71,7 +72,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.bucket`).
     ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
     Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
-    ZERO3 with ``reshard_after_forward``, ZERO2 without.
+    ZERO3 with ``reshard_after_forward``, ZERO2 without. ``traced``, the
+    ``traced`` of an earlier `CompiledStep` of the same model, batch and
+    placements, skips tracing: the passes run on a copy of its graph (the
+    memory budget's search compiles one trace under many options this way).
     """
     default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
     flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -80,15 +84,29 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     flats = split_by_group(flats, training)
     flats = bucket_flat_params(flats, bucket_bytes)
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
-    traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
-                        training=training)
+    if traced is None:
+        traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
+                            training=training)
+        traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, recompute=dict(recompute or {}))
     check = _structural_check if check_each_pass else None
-    gm = run_passes(traced.graph_module, ctx, passes, check=check, dump_dir=dump_dir)
+    gm = run_passes(copy_graph_module(traced.graph_module), ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)
     return CompiledStep(gm, ctx, schedule, traced)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph: new nodes, each with a shallow copy of its meta.
+
+    Passes replace meta entries rather than mutate them, so the copy can be
+    compiled while ``gm`` stays as it was.
+    """
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
 
 
 def _structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:

@@ -43,6 +43,7 @@ class Plan:
     schedule: Schedule
     memory: MemoryPlan
     timeline: Timeline
+    budget: object = None  # `compiler.budget.BudgetChoice`, when Options.memory_budget chose the configuration
 
     def to_dict(self) -> dict:
         """The schedule's JSON object plus ``memory``, ``timeline`` and ``communication`` (see docs/plan.md)."""
@@ -50,7 +51,8 @@ class Plan:
         timeline.pop("spans")
         timeline["ops"] = [{"index": i, "start_s": s, "end_s": e}
                            for i, (s, e) in enumerate(zip(self.timeline.op_start_s, self.timeline.op_end_s))]
-        return self.schedule.to_dict() | {
+        budget = {} if self.budget is None else {"memory_budget": self.budget.to_dict()}
+        return self.schedule.to_dict() | budget | {
             "memory": self.memory.to_dict(),
             "timeline": timeline,
             "communication": [row.to_dict() for row in communication_check(self.schedule)],
@@ -61,7 +63,7 @@ class Plan:
 
     def report(self, max_rows: int | None = None) -> str:
         """Summary, communication against the formulas, memory peak, predicted time, then the table."""
-        return "\n\n".join([
+        return "\n\n".join(([] if self.budget is None else [self.budget.summary_text()]) + [
             self.schedule.summary_text(),
             format_communication(self.schedule),
             self.memory.summary_text(),
@@ -85,7 +87,7 @@ def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, sche
     if scratch is None:
         scratch = gloo_scratch if cost_model.link.backend == "gloo" else NO_SCRATCH
     memory = plan_memory(graph_module, schedule, inputs, scratch=scratch)
-    return Plan(schedule, memory, cost_model.predict(schedule, graph_module))
+    return Plan(schedule, memory, cost_model.predict(schedule, graph_module), getattr(compiled, "budget", None))
 
 
 # ---- communication against the formulas ----------------------------------------

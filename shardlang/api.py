@@ -5,12 +5,19 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import math
+
+import attrs
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .compiler.budget import fit_budget
 from .compiler.compile import CompiledStep, compile_step
 from .batch import check_example_batch
+from .compiler.placement import Recompute
+from .compiler.schedule_format import human_bytes
 from .compiler.optim import AdamW
 from .errors import ShardlangRuntimeError, SpecError
 from .runtime.dist import Backend, DistContext
@@ -80,43 +87,80 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
 
-    def at_depth(prefetch: int) -> CompiledStep:
+    def at(recompute, prefetch: int, traced=None) -> CompiledStep:
         return compile_step(
             model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
             reshard_after_forward=resolved.options.reshard_after_forward, prefetch=prefetch,
             param_dtype=_precision(resolved.options, "param_dtype"),
             reduce_dtype=_precision(resolved.options, "reduce_dtype"),
             training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
-            recompute=resolved.recompute, check_each_pass=check_each_pass, dump_dir=dump_dir,
+            recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
         )
 
     budget = resolved.options.memory_budget
     if budget is None:
-        return at_depth(resolved.options.prefetch)
-    return _deepest_prefetch_within(budget, at_depth, max_depth=len(resolved.units))
+        return at(resolved.recompute, resolved.options.prefetch)
+    return _fit_budget(budget, resolved, at, example_batch)
 
 
-def _deepest_prefetch_within(budget: int, at_depth: Callable[[int], CompiledStep], max_depth: int) -> CompiledStep:
-    """The compiled step with the deepest prefetch whose planned peak fits ``budget`` bytes per rank.
+def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:
+    """Options.memory_budget: recompute per unit and prefetch depth chosen by `compiler.budget.fit_budget`.
 
-    Deeper prefetch keeps more units gathered at once, so the peak grows with
-    the depth; a binary search needs about log2(units) compiles.
+    Units the spec gives a recompute policy other than "none" keep it; the
+    search chooses for the others (the root unit only when it is the only one).
+    One trace serves every configuration tried.
     """
-    best = at_depth(0)
-    if best.memory.peak > budget:
-        raise SpecError(
-            f"Options.memory_budget={budget} bytes per rank is below the planned peak with no prefetch at all "
-            f"({best.memory.peak} bytes); raise the budget, shard more (more ranks, ZeRO-3), or shrink the batch"
-        )
-    low, high = 1, max_depth
-    while low <= high:
-        depth = (low + high) // 2
-        candidate = at_depth(depth)
-        if candidate.memory.peak <= budget:
-            best, low = candidate, depth + 1
-        else:
-            high = depth - 1
-    return best
+    fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
+    free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
+    first = at(fixed, resolved.options.prefetch)
+    cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
+
+    def compile_at(recompute, depth):
+        key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
+        if key not in cache:
+            cache[key] = at(recompute, depth, traced=first.traced)
+        return cache[key]
+
+    step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
+                              max_prefetch=len(resolved.units), fixed=fixed,
+                              hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch))
+    return attrs.evolve(step, budget=choice)
+
+
+def _what_would_fit(budget: int, leanest: CompiledStep, resolved, example_batch) -> list[str]:
+    """Ways to fit ``budget`` from the leanest configuration's memory plan: more ranks, a smaller batch, ZeRO-3."""
+    memory = leanest.memory
+    parts = memory.breakdown
+    world = resolved.mesh.size
+    hints = []
+    sharded = parts["parameters"] + parts["optimizer_state"] + parts["gradient_shards"]
+    rest = memory.peak - sharded
+    if budget > rest and sharded:
+        ranks = math.ceil(world * sharded / (budget - rest))
+        hints.append(f"about {ranks} ranks instead of {world} (parameters, optimizer state and gradient shards, "
+                     f"{human_bytes(sharded)} of the peak, shrink as 1/N)")
+    else:
+        hints.append(f"more ranks alone cannot: {human_bytes(rest)} of the peak (activations, gathered units, "
+                     "temporaries) does not shrink with them")
+    per_batch = parts["activations"] + parts["temporaries"]
+    rows = _rows(example_batch)
+    if per_batch and rows:
+        fraction = (budget - (memory.peak - per_batch)) / per_batch
+        if fraction > 0:
+            hints.append(f"a per-rank batch of about {max(1, math.floor(rows * fraction))} rows instead of {rows} "
+                         f"(activations and temporaries, {human_bytes(per_batch)}, scale with it)")
+    others = sorted({f.unit or "<root>" for f in leanest.flats if f.strategy.value != "zero3" and f.sharded})
+    unsharded = sorted({f.unit or "<root>" for f in leanest.flats if not f.params_sharded and f.world > 1})
+    if others or unsharded:
+        units = sorted(set(others) | set(unsharded))
+        hints.append(f"ZeRO-3 for {', '.join(units[:4])}{' ...' if len(units) > 4 else ''} (they keep parameters "
+                     "gathered or whole); strategies=[('*', sl.ZeRO3)]")
+    return hints
+
+
+def _rows(batch) -> int:
+    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return leaves[0].shape[0] if leaves else 0
 
 
 def _check_loss_fn(loss_fn) -> None:

@@ -191,3 +191,28 @@ def test_memory_plan_shows_kept_and_recomputed_bytes_per_unit():
     text = plan.summary_text()
     assert "activations per unit" in text and "blocks.0    full" in text
     assert plan.to_dict()["units"][1] == units["blocks.0"].to_dict()
+
+
+# -- the memory budget -------------------------------------------------------------------------------
+
+
+def test_memory_budget_chooses_recompute_per_unit_when_activations_do_not_fit():
+    kept, full = _plan(recompute=None), _plan(recompute=[("blocks.*", "full")])
+    budget = (kept.memory.peak + full.memory.peak) // 2
+    chosen = _plan(memory_budget=budget)
+    choice = chosen.budget
+    assert chosen.memory.peak <= budget < kept.memory.peak
+    assert chosen.schedule.options.get("recompute")  # it had to recompute something
+    assert choice.chosen.peak == chosen.memory.peak and choice.runner_up is not None
+    fitting = [c for c in choice.tried if c.peak <= budget]
+    assert choice.chosen.step_time_s == min(c.step_time_s for c in fitting)
+    text = choice.summary_text()
+    assert "memory budget" in text and "runner-up" in text and "predicted step" in text
+
+
+def test_memory_budget_that_nothing_fits_says_by_how_much_and_what_would():
+    full = _plan(recompute=[("blocks.*", "full")], prefetch=0)
+    budget = full.memory.peak - 16 * 1024
+    with pytest.raises(sl.SpecError, match=r"no configuration fits\. The leanest, recompute full on blocks.0, "
+                                           r"blocks.1, prefetch 0, plans .* over\nwhat would fit: about \d+ ranks"):
+        _plan(memory_budget=budget)

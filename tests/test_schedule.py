@@ -173,7 +173,7 @@ def test_verifier_catches_an_optimizer_touching_the_whole_parameter(good):
         sl.verify(whole)
 
 
-def test_memory_budget_picks_the_deepest_prefetch_that_fits():
+def test_memory_budget_picks_a_prefetch_that_fits_at_the_least_predicted_time():
     gpt = load_gpt_module()
     build = lambda: gpt.make_gpt(n_layer=4)  # noqa: E731
     batch = split_batch(gpt.make_batch(0), 4, 0)
@@ -185,8 +185,10 @@ def test_memory_budget_picks_the_deepest_prefetch_that_fits():
     peaks = {d: planned(prefetch=d).memory.peak for d in range(6)}  # 5 units: root and 4 blocks
     assert peaks[0] < peaks[2]  # prefetching deeper keeps more units gathered
     assert all(peaks[d] <= peaks[d + 1] for d in range(5))  # never less: what the search relies on
-    chosen = planned(memory_budget=peaks[1])
-    assert chosen.schedule.options["prefetch"] == max(d for d, p in peaks.items() if p <= peaks[1])
+    chosen = planned(memory_budget=peaks[1])  # fits without recompute: only the depth is chosen
+    assert chosen.schedule.options["prefetch"] >= 1 and "recompute" not in chosen.schedule.options
     assert chosen.memory.peak <= peaks[1]
-    with pytest.raises(sl.SpecError, match=f"memory_budget={peaks[0] - 1} bytes per rank is below"):
-        planned(memory_budget=peaks[0] - 1)
+    fitting = [c for c in chosen.budget.tried if c.peak <= peaks[1]]
+    assert chosen.budget.chosen.step_time_s == min(c.step_time_s for c in fitting)
+    with pytest.raises(sl.SpecError, match="no configuration fits. The leanest"):
+        planned(memory_budget=peaks[0] // 4)

@@ -1,0 +1,202 @@
+"""The memory budget's search: per unit a recompute policy, and a prefetch depth, that fit at the least time.
+
+`fit_budget` is given a function that compiles the step (one trace, many
+option sets: `compile_step(traced=...)`) and the units it may choose for. A
+configuration is a recompute policy per unit and a prefetch depth; its planned
+peak is the memory plan's (`compiler.memory`) and its predicted step time the
+cost model's (`compiler.cost`). The search, with about ten compiles whatever
+the number of units:
+
+1. No recompute at the base depth. If it fits, only prefetch is left to choose.
+2. For "selective" and then "full": the first k units (in forward order: the
+   earliest units keep their activations the longest, so recomputing them helps
+   the peak most) take the policy, the others none. The peak falls with k, so
+   the least k that fits is found from k = 0 and k = all by interpolation, then
+   stepped to the boundary.
+3. The fastest fitting configuration then tries deeper prefetch (more overlap,
+   more gathered memory) while it fits and predicts faster.
+
+The chosen configuration is the fitting one of least predicted time; the
+runner-up is the next best. When nothing fits, `BudgetError` says by how much
+the leanest configuration misses and what would fit (more ranks, a smaller
+batch, ZeRO-3 for units that do not use it).
+
+Example::
+
+    step, choice = fit_budget(80 * 2**30, compile_at, units=("layers.0", ...), base_prefetch=1)
+    print(choice.summary_text())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from .errors import SpecError
+from .placement import Recompute
+from .schedule_format import human_bytes
+
+
+class BudgetError(SpecError):
+    """No configuration fits ``Options.memory_budget``; the message says by how much and what would fit."""
+
+
+@attrs.frozen
+class Candidate:
+    """One configuration the search compiled: recompute per unit (only those not NONE), depth, peak, time."""
+
+    recompute: tuple[tuple[str, str], ...]
+    prefetch: int
+    peak: int
+    step_time_s: float
+    policy: str = attrs.field(default="none", repr=False)  # the searched policy, on the first ``k`` units
+    k: int = attrs.field(default=0, repr=False)
+
+    def describe(self) -> str:
+        """``"recompute full on layers.0..layers.79 (80 units), prefetch 1"``."""
+        by_policy: dict[str, list[str]] = {}
+        for unit, policy in self.recompute:
+            by_policy.setdefault(policy, []).append(unit or "<root>")
+        parts = [f"{policy} on {_span(units)}" for policy, units in by_policy.items()]
+        return f"recompute {'; '.join(parts) if parts else 'none'}, prefetch {self.prefetch}"
+
+    def to_dict(self) -> dict:
+        return {"recompute": dict(self.recompute), "prefetch": self.prefetch, "peak": self.peak,
+                "step_time_s": self.step_time_s}
+
+
+@attrs.frozen
+class BudgetChoice:
+    """What the search chose within ``budget`` bytes per rank, the runner-up, and every configuration tried."""
+
+    budget: int
+    chosen: Candidate
+    runner_up: Candidate | None
+    tried: tuple[Candidate, ...]
+
+    def summary_text(self) -> str:
+        c = self.chosen
+        lines = [f"memory budget {human_bytes(self.budget)} per rank: chose {c.describe()}",
+                 f"  planned peak {human_bytes(c.peak)} ({100 * c.peak / self.budget:.1f}% of the budget), "
+                 f"predicted step {_s(c.step_time_s)}: the fastest of {self._fitting()} configurations that fit "
+                 f"({len(self.tried)} compiled)"]
+        r = self.runner_up
+        if r is not None:
+            why = (f"{100 * (r.step_time_s / c.step_time_s - 1):.1f}% slower" if r.peak <= self.budget
+                   else f"over the budget by {human_bytes(r.peak - self.budget)}")
+            lines.append(f"  runner-up: {r.describe()}: peak {human_bytes(r.peak)}, predicted step "
+                         f"{_s(r.step_time_s)} ({why})")
+        return "\n".join(lines)
+
+    def _fitting(self) -> int:
+        return sum(1 for t in self.tried if t.peak <= self.budget)
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget, "chosen": self.chosen.to_dict(),
+                "runner_up": None if self.runner_up is None else self.runner_up.to_dict(),
+                "tried": [t.to_dict() for t in self.tried]}
+
+
+def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Sequence[str], *,
+               base_prefetch: int = 1, max_prefetch: int | None = None, cost_model=None,
+               fixed: dict | None = None, hints: Callable[[object], list[str]] | None = None):
+    """The compiled step of the fastest configuration whose planned peak fits ``budget``, and the `BudgetChoice`.
+
+    ``compile_at(recompute, prefetch)`` compiles with ``recompute`` (unit ->
+    `Recompute`) and a prefetch depth; ``units`` are those the search may
+    choose a policy for, in forward order; ``fixed`` the policies the spec set
+    itself (kept in every configuration). ``hints(leanest compiled step)`` gives
+    the "what would fit" lines of a `BudgetError`.
+    """
+    from .cost import CostModel
+
+    cost_model = cost_model or CostModel()
+    fixed = dict(fixed or {})
+    max_prefetch = len(units) + 1 if max_prefetch is None else max_prefetch
+    compiled: dict[tuple, tuple[object, Candidate]] = {}
+
+    def evaluate(policy: Recompute, k: int, depth: int) -> Candidate:
+        chosen = {u: policy for u in units[:k]} if policy is not Recompute.NONE else {}
+        recompute = {**chosen, **fixed}
+        key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
+        if key not in compiled:
+            step = compile_at(recompute, depth)
+            shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
+            time_s = cost_model.predict(step.schedule, step.graph_module).step_time_s
+            compiled[key] = (step, Candidate(shown, depth, step.memory.peak, time_s, policy.value, k))
+        return compiled[key][1]
+
+    fits = lambda c: c.peak <= budget  # noqa: E731
+    found = [evaluate(Recompute.NONE, 0, base_prefetch)]
+    if not fits(found[0]):
+        for policy in (Recompute.SELECTIVE, Recompute.FULL):
+            k = _least_k(lambda k, p=policy: evaluate(p, k, base_prefetch), len(units), budget)
+            if k is not None:
+                found.append(evaluate(policy, k, base_prefetch))
+    feasible = [c for c in found if fits(c)]
+    if not feasible and base_prefetch > 0:  # less prefetch, less gathered memory
+        feasible = [c for c in (_with_depth(evaluate, c, 0) for c in found) if fits(c)]
+    if not feasible:
+        leanest = min(compiled.values(), key=lambda sc: sc[1].peak)
+        raise BudgetError(_no_fit(budget, leanest[1], hints(leanest[0]) if hints else []))
+    best = min(feasible, key=lambda c: c.step_time_s)
+    depth = best.prefetch
+    while depth < max_prefetch:  # deeper prefetch while it fits and is faster
+        deeper = _with_depth(evaluate, best, depth + 1)
+        depth += 1
+        if not fits(deeper) or deeper.step_time_s >= best.step_time_s:
+            break
+        best = deeper
+    tried = tuple(c for _, c in compiled.values())
+    others = sorted((c for c in tried if c != best and fits(c)), key=lambda c: c.step_time_s)
+    if not others:
+        others = sorted((c for c in tried if c != best), key=lambda c: c.peak)
+    choice = BudgetChoice(budget, best, others[0] if others else None, tried)
+    step = next(s for s, c in compiled.values() if c == best)
+    return step, choice
+
+
+def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:
+    """``candidate`` at another prefetch depth."""
+    return evaluate(Recompute(candidate.policy), candidate.k, depth)
+
+
+def _least_k(peak_at: Callable[[int], Candidate], n: int, budget: int) -> int | None:
+    """The least k in [0, n] with ``peak_at(k).peak <= budget`` (peaks fall with k), or None when even n misses."""
+    if n == 0:
+        return None
+    high = peak_at(n)
+    if high.peak > budget:
+        return None
+    low = peak_at(0)
+    if low.peak <= budget:
+        return 0
+    span = low.peak - high.peak
+    k = min(n, max(1, math.ceil(n * (low.peak - budget) / span))) if span > 0 else n
+    if peak_at(k).peak <= budget:  # step down to the boundary
+        while k > 1 and peak_at(k - 1).peak <= budget:
+            k -= 1
+        return k
+    while k < n and peak_at(k).peak > budget:  # step up to it
+        k += 1
+    return k
+
+
+def _no_fit(budget: int, leanest: Candidate, hints: list[str]) -> str:
+    lines = [f"Options.memory_budget={human_bytes(budget)} per rank: no configuration fits. The leanest, "
+             f"{leanest.describe()}, plans {human_bytes(leanest.peak)}: {human_bytes(leanest.peak - budget)} over"]
+    if hints:
+        lines.append("what would fit: " + "; ".join(hints))
+    return "\n".join(lines)
+
+
+def _span(units: list[str]) -> str:
+    if len(units) <= 3:
+        return ", ".join(units)
+    return f"{units[0]}..{units[-1]} ({len(units)} units)"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
