@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import signal
 import statistics
 import sys
 import time
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default=Settings.size, choices=sorted(SIZES))
     parser.add_argument("--out", default=None, help="folder for recompute.json and recompute.md (default: print only)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the pool stops its ranks
     settings = Settings(args.world, args.seq_len, args.global_batch, args.reps, args.size)
     torch.set_num_threads(1)
     with WorkerPool(settings.world, timeout=3600, threads=1) as pool:

@@ -216,3 +216,21 @@ def test_memory_budget_that_nothing_fits_says_by_how_much_and_what_would():
     with pytest.raises(sl.SpecError, match=r"no configuration fits\. The leanest, recompute full on blocks.0, "
                                            r"blocks.1, prefetch 0, plans .* over\nwhat would fit: about \d+ ranks"):
         _plan(memory_budget=budget)
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def test_plan_command_recomputes_and_reports_the_budget_choice(capsys):
+    from shardlang.cli import main
+
+    gpt = "examples/gpt.py"
+    assert main(["plan", gpt, "--world", "2", "--recompute", "blocks.*=full"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute={'blocks.0': 'full', 'blocks.1': 'full'}" in out and "recompute, " in out
+    assert "activations per unit" in out
+    assert main(["plan", gpt, "--world", "2", "--memory-budget", "64KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "Options.memory_budget=64.00 KiB per rank: no configuration fits" in err and "what would fit" in err
+    assert main(["plan", gpt, "--world", "2", "--recompute", "blocks.*=sometimes"]) == 2
+    assert "recompute policy is 'sometimes'" in capsys.readouterr().err

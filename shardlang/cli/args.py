@@ -70,6 +70,40 @@ def output_file(text: str) -> str:
     return text
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """Bytes from ``"80GiB"``, ``"512MiB"``, ``"40GB"`` or a plain count. Example: ``byte_size("80GiB") == 80 * 2**30``."""
+    stripped = text.strip().replace(" ", "")
+    number = stripped.rstrip("KMGTBikmgtb")
+    unit = stripped[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or unit not in _BYTE_UNITS or value <= 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; expected a number > 0 with a unit such as "
+                                         "80GiB, 512MiB or 40GB (or a count of bytes)")
+    return int(value * _BYTE_UNITS[unit])
+
+
+def recompute_rule(text: str) -> tuple[str, str]:
+    """``PATTERN=POLICY`` as a ``(pattern, policy)`` pair. Example: ``recompute_rule("layers.*=full")``."""
+    from ..recompute import to_policy
+    from ..errors import SpecError
+
+    pattern, sep, policy = text.partition("=")
+    if not sep or not pattern.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a recompute rule; expected PATTERN=POLICY such as "
+                                         "'layers.*=full' (policies: none, full, selective)")
+    try:
+        return pattern.strip(), to_policy(policy.strip(), f"--recompute {text!r}").value
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def world_sizes(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
     try:

@@ -1,10 +1,13 @@
-"""``shardlang plan FILE --world N [--json] [--chrome-trace PATH] [--plot PNG]``: plan without processes.
+"""``shardlang plan FILE --world N [--memory-budget 80GiB] [--recompute P=POLICY] [--json] ...``: plan without processes.
 
 Compiles for N ranks with fake tensors, no processes; prints the plan
 (schedule, memory per op and its peak, communication against the formulas,
 predicted time), or one JSON object (`Plan.to_dict`); writes the predicted
 timeline as a Chrome trace, or memory over the schedule as a picture.
-`plan_job` is shared with ``shardlang diff``.
+`plan_job` is shared with ``shardlang diff``. ``--recompute PATTERN=POLICY``
+(repeatable) replaces the spec's recompute rules; ``--memory-budget`` sets
+``Options.memory_budget``, and the plan then starts with what the budget search
+chose and why (docs/plan.md, "Recompute and the memory budget").
 
 Example::
 
@@ -16,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import attrs
+
 from .. import api
 from ..compiler import cost
 from ..job import build, global_batch, load_job
-from .args import add_model_arguments, cost_model, output_file, positive
+from .args import add_model_arguments, byte_size, cost_model, output_file, positive, recompute_rule
 from .common import shown, split_for_rank
 
 
@@ -36,6 +41,12 @@ def add_parser(subparsers) -> None:
                              "as a Chrome/Perfetto trace")
     parser.add_argument("--plot", metavar="PNG", type=output_file, default=None,
                         help="draw memory over the schedule, gathers and frees marked (needs matplotlib)")
+    parser.add_argument("--memory-budget", metavar="BYTES", type=byte_size, default=None,
+                        help="bytes one rank may use at its peak, e.g. 80GiB: choose recompute per unit and the "
+                             "prefetch depth that fit at the least predicted time (Options.memory_budget)")
+    parser.add_argument("--recompute", metavar="PATTERN=POLICY", type=recompute_rule, action="append", default=None,
+                        help="recompute rule, e.g. 'layers.*=full' (none, full, selective); repeat for more, first "
+                             "match wins; replaces the spec's recompute")
     add_model_arguments(parser)
     parser.set_defaults(command=main)
 
@@ -47,7 +58,8 @@ def main(args) -> int:
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     model = cost_model(args)
     with quiet:
-        job, plan = plan_job(args.file, args.world, model)
+        job, plan = plan_job(args.file, args.world, model, memory_budget=args.memory_budget,
+                             recompute=args.recompute)
         _write_pictures(args, plan)
     if args.json:
         stdout.write(plan.to_json(indent=2) + "\n")
@@ -58,13 +70,22 @@ def main(args) -> int:
     return 0
 
 
-def plan_job(path, world: int, model: cost.CostModel):
-    """Plan a job file for ``world`` ranks with fake tensors: (job, `Plan`)."""
+def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None = None, recompute=None):
+    """Plan a job file for ``world`` ranks with fake tensors: (job, `Plan`).
+
+    ``memory_budget`` and ``recompute`` (a list of ``(pattern, policy)``)
+    override the job's spec when given.
+    """
     from ..compiler.plan_report import make_plan
 
     job = load_job(path)
+    spec = job.spec
+    if recompute is not None:
+        spec = attrs.evolve(spec, recompute=recompute)
+    if memory_budget is not None:
+        spec = attrs.evolve(spec, options=attrs.evolve(spec.options, memory_budget=memory_budget))
     example = split_for_rank(job, global_batch(job, 0), world, 0, 0)
-    compiled = api.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
+    compiled = api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
                         example_batch=example, world_size=world)
     return job, make_plan(compiled, cost_model=model)
 
