@@ -232,5 +232,7 @@ def test_plan_command_recomputes_and_reports_the_budget_choice(capsys):
     assert main(["plan", gpt, "--world", "2", "--memory-budget", "64KiB"]) == 2
     err = capsys.readouterr().err
     assert "Options.memory_budget=64.00 KiB per rank: no configuration fits" in err and "what would fit" in err
-    assert main(["plan", gpt, "--world", "2", "--recompute", "blocks.*=sometimes"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # a bad argument: argparse's one-line error, exit 2
+        main(["plan", gpt, "--world", "2", "--recompute", "blocks.*=sometimes"])
+    assert exit_info.value.code == 2
     assert "recompute policy is 'sometimes'" in capsys.readouterr().err
