@@ -363,4 +363,7 @@ def _fake_mode_of(model: torch.nn.Module) -> FakeTensorMode:
 def _to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, FakeTensor):
         return t
+    if t.is_meta:  # a buffer of a model built on meta: traced on the device the flat inputs have (the default)
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
     return mode.from_tensor(t)

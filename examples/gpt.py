@@ -1,7 +1,9 @@
 """Job file: a small GPT-style language model on synthetic, learnable token streams.
 
 Run it with ``shardlang run examples/gpt.py --nproc 4`` or read its plan with
-``shardlang plan examples/gpt.py --world 64``.
+``shardlang plan examples/gpt.py --world 64``. ``GPT_SIZE=100M`` selects the
+100M-parameter GPT of the benchmarks (read at import, like ``LLAMA_SIZE`` in
+examples/llama.py).
 
 The model is the usual pre-LayerNorm decoder: token and position embeddings,
 ``blocks`` of causal self-attention and a GELU MLP, a final LayerNorm, and an LM
@@ -14,6 +16,13 @@ Because the head is tied, ``model.named_parameters()`` lists that weight once, a
 runs in CI; ``make_gpt`` builds bigger ones, e.g.
 ``make_gpt(n_layer=6, n_embd=384, n_head=6, vocab_size=8192, block_size=256)``.
 
+The job builds the model on the meta device (``build_model``): no rank ever holds
+it whole. Each rank materialises its shards unit by unit, initialising every
+module with ``reset_parameters()`` (LayerNorm) and then the job's ``init_weights``
+(GPT-2's: normal(0, 0.02) weights, zero biases, residual projections scaled by
+``1/sqrt(2 * n_layer)``), under a seed per module (docs/large_models.md).
+``make_gpt()`` outside a meta context builds and initialises it eagerly, as before.
+
 The data: each sequence counts upward from a random start with a per-sequence
 stride of 1, 2 or 3 (mod the vocabulary), and about one token in ten is replaced
 by noise. The next token is predictable from the previous two, so the loss falls
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +67,24 @@ class GPTConfig:
             )
 
 
+def residual_std(config: GPTConfig) -> float:
+    """GPT-2's init std for the projections into the residual stream: 0.02 scaled down with depth."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation of one module; shardlang calls it on every module of a meta-built GPT.
+
+    Linear and Embedding weights ~ normal(0, std), std 0.02 unless the module
+    carries its own ``init_std`` (the residual projections); Linear biases zero.
+    LayerNorm keeps its ``reset_parameters()`` (ones and zeros), which runs first.
+    """
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", 0.02))
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
 
@@ -65,6 +93,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.proj.init_std = residual_std(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -81,6 +110,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
         self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+        self.proj.init_std = residual_std(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -119,18 +149,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual projections down with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(init_weights)  # eager construction; on meta a no-op, and shardlang calls init_weights per module
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -182,9 +201,29 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 # ---- the job ---------------------------------------------------------------
 
 
+#: Named sizes; ``GPT_SIZE=100M`` selects the benchmarks' 100M GPT (docs/large_models.md measures it).
+SIZES = {
+    "tiny": GPTConfig(),
+    "100M": GPTConfig(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768),
+}
+
+
+def size_from_env(env=os.environ) -> GPTConfig:
+    """The config named by ``GPT_SIZE`` (default ``tiny``); an unknown name is an error listing the valid ones."""
+    name = env.get("GPT_SIZE", "tiny").strip()
+    if name not in SIZES:
+        raise sl.SpecError(f"environment variable GPT_SIZE={name!r} is not a size of examples/gpt.py; "
+                           f"valid sizes are {sorted(SIZES)}")
+    return SIZES[name]
+
+
+CONFIG = size_from_env()  # read once at import, so every rank and check's reference see the same model
+
+
 def build_model() -> GPT:
-    """The tiny default GPT (~106K parameters)."""
-    return make_gpt()
+    """The GPT of ``GPT_SIZE`` (tiny: ~106K parameters) on the meta device: shardlang materialises it unit by unit."""
+    with torch.device("meta"):
+        return GPT(CONFIG)
 
 
 def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -193,8 +232,8 @@ def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def make_batch(step: int) -> torch.Tensor:
-    """The global batch for ``step``: ``(8, 33)`` int64 tokens (inputs and shifted targets)."""
-    return make_tokens(step)
+    """The global batch for ``step``: ``(8, block_size + 1)`` int64 tokens (inputs and shifted targets)."""
+    return make_tokens(step, seq_len=CONFIG.block_size, vocab_size=CONFIG.vocab_size)
 
 
 spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))], units=["blocks.*"])

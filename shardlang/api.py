@@ -20,6 +20,8 @@ from .compiler.placement import Recompute
 from .compiler.schedule_format import human_bytes
 from .compiler.optim import AdamW
 from .errors import ShardlangRuntimeError, SpecError
+from .materialize import Init, has_meta, materialize
+from .ownership import check_not_handed_over, release
 from .runtime.dist import Backend, DistContext
 from .spec import Spec
 from .step import Step
@@ -28,30 +30,57 @@ from .training import training_of
 
 def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
             dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None,
-            lr_schedule: Callable | None = None, timeout: float | None = None) -> Step:
-    """Compile ``model``'s training step for ``spec`` and bind it to this rank.
+            lr_schedule: Callable | None = None, timeout: float | None = None, init_seed: int = 0,
+            init_weights: Callable | None = None, weights=None) -> Step:
+    """Compile ``model``'s training step for ``spec`` and bind it to this rank; the step owns the state.
 
     ``loss_fn(model, batch)`` returns a scalar loss; ``example_batch`` is a
-    per-rank batch. Every rank must call this with the same model (same
-    initial values), spec and optimizer. Without ``dist_context`` the step
-    joins torch.distributed's default group when one is initialised and runs
-    alone otherwise. ``lr_schedule`` is a function that takes a torch optimizer
-    and returns a ``torch.optim.lr_scheduler`` on it (`shardlang.lr`); the step
-    applies it after every optimizer step, without retracing. ``timeout`` (seconds)
-    sets how long the step's collectives wait for late peers before they fail with
-    an error naming the late rank and the schedule op (default: the process group's,
-    10 minutes from `shardlang.runtime.init_process_group`; Note [collective timeout]).
+    per-rank batch. Every rank must call this with the same model, spec and
+    optimizer. Without ``dist_context`` the step joins torch.distributed's
+    default group when one is initialised and runs alone otherwise.
+    ``lr_schedule`` is a function that takes a torch optimizer and returns a
+    ``torch.optim.lr_scheduler`` on it (`shardlang.lr`); the step applies it
+    after every optimizer step, without retracing.
+
+    ``timeout`` (seconds) sets how long the step's collectives wait for late
+    peers before they fail with an error naming the late rank and the schedule
+    op (default: the process group's, 10 minutes from
+    `shardlang.runtime.init_process_group`; Note [collective timeout]).
+
+    ``model`` may be built on the meta device (``with torch.device("meta"):``):
+    each rank then materialises only its shards, one unit at a time
+    (`shardlang.materialize`, Note [materialisation]), initialising every
+    module with ``reset_parameters()`` and then ``init_weights(module)`` when
+    given, under seeds derived from ``init_seed`` and the module's name, so the
+    values are the same at every world size and spec. ``weights`` (a
+    safetensors file or a Hugging Face checkpoint directory) loads every
+    parameter instead, each rank reading only its slices (`shardlang.weights`).
+    A model with real values is sharded as it is (its values must be equal on
+    every rank).
+
+    Afterwards ``model`` holds meta tensors and calling it raises: the step
+    has the weights (Note [the step owns the state]); ``step.load_into(model)``
+    brings them back whole, for small models.
 
     Example::
 
+        with torch.device("meta"):
+            model = GPT(config)
         step = sl.compile(model, loss_fn, sl.Spec(sl.Mesh(fsdp=-1)), optimizer=sl.AdamW(lr=1e-3),
                           example_batch=batch)
         loss = step(batch)
     """
     ctx = dist_context or _current_context()
     optimizer = optimizer or AdamW(lr=1e-3)
+    check_not_handed_over(model)
+    init = Init(seed=init_seed, init_weights=init_weights, weights=weights)
     compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
-    return Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, spec=spec, timeout_s=timeout)
+    state = None
+    if has_meta(model) or weights is not None:
+        state = materialize(compiled, model, ctx.rank, ctx.device, init)
+    step = Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, state=state, spec=spec, timeout_s=timeout)
+    release(model)
+    return step
 
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,

@@ -2,13 +2,15 @@
 
 A job file defines these module-level names (docs/cli.md, "Job files")::
 
-    def build_model() -> torch.nn.Module: ...        # called after torch.manual_seed(seed); deterministic
+    def build_model() -> torch.nn.Module: ...        # after torch.manual_seed(seed); may build on torch.device('meta')
     def loss_fn(model, batch) -> torch.Tensor: ...   # scalar loss, mean-reduced over the (per-rank) batch
     def make_batch(step: int): ...                   # the GLOBAL batch for `step`: a tensor or pytree of tensors
     spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))            # optional (this is the default)
     optimizer = sl.AdamW(lr=1e-3)                    # optional (this is the default)
     dtype = torch.float32                            # optional: convert the model and floating batch leaves
     lr_schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)   # optional (docs/training.md)
+    def init_weights(module) -> None: ...            # optional: initialise a meta-built model's modules
+    weights = "checkpoints/model"                    # optional: safetensors file or HF checkpoint directory
 
 `load_job` imports the file under a module name of its own (so two job files
 with the same stem do not collide) and checks those names, and `build` and
@@ -41,7 +43,9 @@ from torch.utils import _pytree as pytree
 
 from .compiler.optim import SGD, Adam, AdamW
 from .errors import ShardlangError, SpecError
+from .materialize import Init, has_meta, materialize_module
 from .mesh import Mesh
+from .ownership import meta_to_dtype
 from .spec import Spec
 
 JOB_FORM = """\
@@ -51,7 +55,9 @@ a job file defines, at module level:
     def make_batch(step: int): ...            # the global batch for `step`
     spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))     # optional
     optimizer = sl.AdamW(lr=1e-3)             # optional
-    dtype = torch.float32                     # optional"""
+    dtype = torch.float32                     # optional
+    def init_weights(module) -> None: ...     # optional (a model built on the meta device)
+    weights = "model.safetensors"             # optional (pretrained weights)"""
 
 # name -> (positional arguments it is called with, the form shown in errors)
 _FUNCTIONS = {
@@ -92,6 +98,8 @@ class Job:
     optimizer: SGD | Adam | AdamW = attrs.field(factory=default_optimizer)
     dtype: torch.dtype | None = None
     lr_schedule: Callable | None = None  # torch optimizer -> LRScheduler (`shardlang.lr`)
+    init_weights: Callable[[torch.nn.Module], None] | None = None  # `shardlang.materialize.Init`
+    weights: Path | None = None  # pretrained weights (`shardlang.weights`), resolved against the job's directory
 
 
 def load_job(path: str | Path) -> Job:
@@ -133,7 +141,38 @@ def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn
         raise SpecError(f"build_model() in {job.path} returned {type(model).__name__}, not a torch.nn.Module; "
                         f"expected: {_FUNCTIONS['build_model'][1]}")
     dtype = dtype or job.dtype
+    if dtype is not None and has_meta(model):
+        meta_to_dtype(model, dtype)
+        return model
     return model.to(dtype) if dtype is not None else model
+
+
+def init_of(job: Job, seed: int = 0, weights: str | Path | None = None) -> Init:
+    """How ``job``'s model gets its initial values: the seed, its ``init_weights``, ``weights`` or its own.
+
+    ``weights`` (the command line's ``--weights``) overrides the job file's.
+    """
+    return Init(seed=seed, init_weights=job.init_weights, weights=weights or job.weights)
+
+
+def build_reference(job: Job, seed: int = 0, dtype: torch.dtype | None = None,
+                    weights: str | Path | None = None) -> torch.nn.Module:
+    """The model one process trains as the reference: `build`, then whole values where it has none.
+
+    A model built on the meta device is materialised whole through the same
+    per-module initialisation the ranks shard (Note [initial values]); with
+    weights, the parameters are loaded from them. So ``check`` compares against
+    the weights every rank starts from.
+
+    Example::
+
+        reference = build_reference(load_job("examples/gpt.py"), seed=0)   # real tensors, whole
+    """
+    model = build(job, seed, dtype)
+    init = init_of(job, seed, weights)
+    if has_meta(model) or init.weights is not None:
+        materialize_module(model, init)
+    return model
 
 
 def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
@@ -254,7 +293,17 @@ def _job_from_module(module, file: Path, shown: str) -> Job:
     if lr_schedule is not None and not callable(lr_schedule):
         raise SpecError(f"job file {shown!r}: lr_schedule is {_short(lr_schedule)}, not a function; expected e.g. "
                         "lr_schedule = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)")
-    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype, lr_schedule)
+    init_weights = getattr(module, "init_weights", None)
+    if init_weights is not None:
+        _check_function(init_weights, "init_weights", 1, "def init_weights(module: torch.nn.Module) -> None", shown)
+    weights = getattr(module, "weights", None)
+    if weights is not None:
+        if not isinstance(weights, (str, Path)):
+            raise SpecError(f"job file {shown!r}: weights is {_short(weights)}; expected the path of a safetensors "
+                            "file or of a Hugging Face checkpoint directory, e.g. weights = 'checkpoints/gpt'")
+        weights = file.parent / Path(weights).expanduser()
+    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype, lr_schedule,
+               init_weights, weights)
 
 
 def _check_function(value, name: str, nargs: int, form: str, shown: str) -> None:

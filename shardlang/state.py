@@ -8,12 +8,15 @@ graph a step binds (the training step, and graphs for other batch shapes or
 for evaluation) reads and mutates these same tensors in place, in the order of
 `compiler.trace` (FLAT, STATE, STEP, HYPER, BUFFER). Nothing else keeps a
 copy: checkpoints read and write the state here, and the user's module is not
-a second holder (docs/architecture.md, "Who holds which bytes").
+a second holder: `compile` moves it to meta (Note [the step owns the state] in
+`shardlang.ownership`; docs/architecture.md, "Who holds which bytes").
 
 Note [initialisation]: `TrainState.from_module` cuts this rank's shards from a
 module that holds full values. Every rank builds the same model (same seed),
 so parameters start equal to what one process would have, which is what the
-parity tests rely on.
+parity tests rely on. A model on the meta device holds no values:
+`shardlang.materialize` builds its state one unit at a time instead, and
+hands the flat tensors to `TrainState.fresh` (Note [materialisation]).
 """
 
 from __future__ import annotations
@@ -25,6 +28,32 @@ import torch
 from .compiler.compile import CompiledStep
 from .compiler.flat import FlatParam, shard_of
 from .compiler.optim import hyper_tensors, init_state
+
+
+def shard_coordinate(compiled: CompiledStep, rank: int) -> Callable[[FlatParam], int]:
+    """Which shard of a flat parameter ``rank`` holds: its coordinate on the flat's axis (0 when it holds the whole).
+
+    Example: on ``Mesh(fsdp=4)`` rank 2 holds shard 2 of every ZeRO-3 flat parameter.
+    """
+    coordinate = compiled.context.mesh.coordinate(rank)
+    return lambda flat: coordinate[flat.axis] if flat.params_sharded else 0
+
+
+def optimizer_slice(compiled: CompiledStep, rank: int) -> Callable[[FlatParam, torch.Tensor], torch.Tensor]:
+    """The part of ``rank``'s parameter tensor for a flat parameter that its optimizer updates.
+
+    The whole tensor, except under ZeRO-1, where the rank holds the whole flat
+    parameter and updates one slice of it (Note [whole-flat shards]).
+    """
+    coordinate = compiled.context.mesh.coordinate(rank)
+
+    def slice_of(flat: FlatParam, held: torch.Tensor) -> torch.Tensor:
+        if flat.sharded and not flat.params_sharded:
+            c = flat.shard_numel
+            return held.narrow(0, coordinate[flat.axis] * c, c)
+        return held
+
+    return slice_of
 
 
 class TrainState:

@@ -22,12 +22,13 @@ from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError, SpecError
 from .lr import LRSchedule
+from .ownership import reclaim
 from .random_state import StepRandom
 from .runtime.dist import DistContext
 from .runtime.dist import check_timeout
 from .runtime.groups import mesh_groups
 from .runtime.watch import StepWatch
-from .state import TrainState
+from .state import TrainState, optimizer_slice, shard_coordinate
 from .checkpoint.state_dict import ModelNames
 
 
@@ -149,9 +150,35 @@ class Step:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, by name (a collective: call it on every rank)."""
+        return self._gather_parameters(keep=True)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()``, whole, on CPU: parameters (tied names included) and buffers.
+
+        A collective: call it on every rank. With ``rank0_only`` only rank 0
+        keeps the tensors (one flat parameter gathered at a time) and the other
+        ranks get ``{}``; for models that fit on one rank. Example::
+
+            sd = step.full_state_dict()
+            if rank == 0:
+                torch.save(sd, "model.pt")    # loads with model.load_state_dict(sd)
+        """
+        keep = self.dist.is_main or not rank0_only
+        params = self._gather_parameters(keep=keep)
+        if not keep:
+            return {}
+        out = {name: params[name].cpu() for name in self.names.parameters}
+        out.update({alias: out[name] for alias, name in self.names.aliases.items()})
+        buffers = self.full_buffers()
+        out.update({name: buffers[name].detach().cpu().clone() for name in self.names.persistent_buffers})
+        return out
+
+    def _gather_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
         out = {}
         for flat, local in zip(self.compiled.flats, self.flat_tensors):
             gathered = _all_gather(local, flat.world, self._groups.get(flat.axis)) if flat.params_sharded else local
+            if not keep:
+                continue
             for m in flat.members:
                 if flat.params_sharded:
                     full = unpack_member(gathered, m.world, m.offset, m.piece_numel, m.kind.value, m.dim,
@@ -166,13 +193,20 @@ class Step:
         return dict(zip(self.state.buffer_names, self.state.buffers))
 
     def load_into(self, model: torch.nn.Module) -> None:
-        """Copy the trained parameters and buffers into ``model`` (a collective: call it on every rank)."""
+        """Copy the trained parameters and buffers into ``model``, whole (a collective: call it on every rank).
+
+        ``model`` may be the module given to `compile` (which holds meta tensors
+        since, Note [the step owns the state]): it gets real storage on the
+        step's device again and can be called. For models that fit on one rank.
+        """
         params = self.full_parameters()
+        reclaim(model, self.dist.device)
+        buffers = self.full_buffers()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(params[name])
             for name, b in model.named_buffers():
-                b.copy_(self.full_buffers()[name])
+                b.copy_(buffers[name])
 
     def save(self, path, *, data_position: int | None = None):
         """Write a checkpoint of this rank's state to the directory ``path`` (a collective: every rank calls it).
@@ -212,15 +246,12 @@ class Step:
         return self.compiled.context.mesh.coordinate(self.dist.rank)
 
     def _coordinate(self, flat) -> int:
-        """Which shard of ``flat`` this rank holds: its coordinate on the flat's axis (0 when it holds the whole)."""
-        return self._mesh_coordinate()[flat.axis] if flat.params_sharded else 0
+        """Which shard of ``flat`` this rank holds (`state.shard_coordinate`)."""
+        return shard_coordinate(self.compiled, self.dist.rank)(flat)
 
     def _optimizer_shard(self, flat, held: torch.Tensor) -> torch.Tensor:
-        """The part of this rank's parameter tensor its optimizer updates (ZERO1: one slice of the whole)."""
-        if flat.sharded and not flat.params_sharded:
-            c = flat.shard_numel
-            return held.narrow(0, self._mesh_coordinate()[flat.axis] * c, c)
-        return held
+        """The part of this rank's parameter tensor its optimizer updates (`state.optimizer_slice`)."""
+        return optimizer_slice(self.compiled, self.dist.rank)(flat, held)
 
     def _check_world(self, ctx: DistContext) -> None:
         expected = self.compiled.context.mesh.size

@@ -116,9 +116,14 @@ def test_gpt_learns_in_ten_steps():
 def test_gpt_example_job_default_size():
     _needs_front_end("gpt_tiny")
     gpt = load_gpt_module()
-    torch.manual_seed(0)
+    from shardlang.materialize import Init, materialize_module
+
     model = gpt.build_model()
+    assert all(p.is_meta for p in model.parameters())  # built on meta: shardlang materialises it
     assert sum(p.numel() for p in model.parameters()) < 300_000
+    materialize_module(model, Init(seed=0, init_weights=gpt.init_weights))
+    proj = model.blocks[0].mlp.proj.weight
+    assert abs(float(proj.std()) - gpt.residual_std(model.config)) < 0.2 * gpt.residual_std(model.config)
     batch = gpt.make_batch(0)
     assert batch.shape[0] % 4 == 0 and batch.dtype == torch.int64
     assert math.isfinite(gpt.loss_fn(model, batch).item())

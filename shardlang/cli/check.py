@@ -1,9 +1,12 @@
-"""``shardlang check FILE --world-sizes 1,2,4 [--steps K] [--dtype D]``: sharded against torch.optim.
+"""``shardlang check FILE --world-sizes 1,2,4 [--steps K] [--dtype D] [--weights PATH]``: sharded against torch.optim.
 
 Trains sharded at each world size and once in one process with ``torch.optim``
 on the same global batches, compares the parameters (`max_relative_difference`)
 against the tolerance for the dtype and optimizer (`tolerance`, Note [check
-tolerance]), and exits 1 when a world size is outside it.
+tolerance]), and exits 1 when a world size is outside it. A model built on the
+meta device is materialised whole for the reference through the same
+per-module initialisation the ranks shard (`job.build_reference`, Note
+[initial values]); with ``--weights`` both start from the file.
 
 Example::
 
@@ -12,12 +15,14 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .. import api
 from ..compiler.optim import Adam
 from ..errors import ShardlangRuntimeError, SpecError
-from ..job import Job, build, global_batch, load_job, reference_optimizer
+from ..job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
 from ..training import torch_param_groups
@@ -92,6 +97,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="convert the model and floating batch leaves (default: the job's dtype, else as built)")
+    parser.add_argument("--weights", metavar="PATH", default=None,
+                        help="start from the parameters in a safetensors file or a Hugging Face checkpoint "
+                             "directory (sharded: each rank reads its slices; the reference: load_state_dict); "
+                             "overrides the job file's `weights`")
     parser.set_defaults(command=main)
 
 
@@ -99,7 +108,8 @@ def main(args) -> int:
     """Train sharded and with torch.optim, compare, print the table; 0 when every world size passes, else 1."""
     job = load_job(args.file)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    reference = build(job, args.seed, dtype)
+    weights = str(Path(args.weights).resolve()) if args.weights else None
+    reference = build_reference(job, args.seed, dtype, weights)
     model_dtype = _floating_dtype(reference)
     limit = tolerance(model_dtype, job.optimizer)
     if limit is None:
@@ -119,9 +129,9 @@ def main(args) -> int:
     failed = []
     for world in args.world_sizes:
         if world == 1:
-            losses, params = _train_sharded(DistContext.single(), job, batches, args.seed, dtype)
+            losses, params = _train_sharded(DistContext.single(), job, batches, args.seed, dtype, weights)
         else:
-            losses, params = launch(_check_rank, world, str(job.path), batches, args.seed, args.dtype,
+            losses, params = launch(_check_rank, world, str(job.path), batches, args.seed, args.dtype, weights,
                                     timeout=None, threads=threads_per_rank(world))[0]
         diff = max_relative_difference(params, ref_params)
         passed = diff <= limit  # False for NaN
@@ -136,18 +146,22 @@ def main(args) -> int:
     return 0
 
 
-def _check_rank(ctx: DistContext, path: str, batches: list, seed: int, dtype_name: str | None):
+def _check_rank(ctx: DistContext, path: str, batches: list, seed: int, dtype_name: str | None,
+                weights: str | None = None):
     """One rank of ``shardlang check`` (module level: the launcher pickles it by reference)."""
     dtype = DTYPES[dtype_name] if dtype_name else None
-    return _train_sharded(ctx, load_job(path), batches, seed, dtype)
+    return _train_sharded(ctx, load_job(path), batches, seed, dtype, weights)
 
 
-def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: torch.dtype | None):
+def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: torch.dtype | None,
+                   weights: str | None = None):
     """Train on the given global batches; rank 0 returns (global losses, full parameters), others None."""
     model = build(job, seed, dtype)
     example = split_for_rank(job, batches[0], ctx.world_size, ctx.rank, 0)
+    init = init_of(job, seed, weights)
     step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
-                       lr_schedule=job.lr_schedule)
+                       lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
+                       weights=init.weights)
     losses = [global_mean(step(split_for_rank(job, b, ctx.world_size, ctx.rank, k)), ctx)
               for k, b in enumerate(batches)]
     params = {name: p.cpu() for name, p in step.full_parameters().items()}  # a collective: every rank calls it

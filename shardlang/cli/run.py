@@ -1,9 +1,13 @@
-"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--trace PATH] [--timeout S] [--checkpoint-dir D ...]``:
+"""``shardlang run FILE --nproc N [--steps K] [--seed S] [--weights PATH] [--trace PATH] [--timeout S]
+[--checkpoint-dir D ...]``:
 train a job.
 
 Trains on N local CPU ranks (gloo), or on the ranks torchrun started (when
 WORLD_SIZE is set); rank 0 prints the global loss of each step, then the
-schedule's summary and table. With ``--trace``, the last steps are profiled into
+schedule's summary and table, and last the line
+``peak memory per rank: init <A> MiB, training <B> MiB`` (`shardlang.runtime.peak_memory`).
+A model built on the meta device is materialised unit by unit
+(`shardlang.materialize`); ``--weights`` loads pretrained weights shard by shard. With ``--trace``, the last steps are profiled into
 a Chrome trace whose ranges carry the schedule's op names (`shardlang.profile`).
 With ``--checkpoint-dir D``, the run saves ``D/step-<k>`` every
 ``--checkpoint-every`` steps and after the last (``--keep N`` newest kept,
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import attrs
 
@@ -35,9 +40,10 @@ from .. import api
 from ..checkpoint import CheckpointDir
 from ..checkpoint.periodic import Periodic
 from ..errors import SpecError
-from ..job import Job, build, global_batch, load_job
+from ..job import Job, build, global_batch, init_of, load_job
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import launch
+from ..runtime.peak_memory import MIB, PeakMemory
 from .args import output_file, positive, seconds
 from .common import global_mean, load_checked, shown, split_for_rank, threads_per_rank
 
@@ -58,7 +64,11 @@ def add_parser(subparsers) -> None:
                         help="number of ranks (default: WORLD_SIZE under torchrun, else 1)")
     parser.add_argument("--steps", metavar="K", type=positive("a number of steps"), default=DEFAULT_RUN_STEPS,
                         help=f"training steps (default {DEFAULT_RUN_STEPS})")
-    parser.add_argument("--seed", metavar="S", type=int, default=0, help="seed for build_model (default 0)")
+    parser.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seed for build_model and for initialising a model built on meta (default 0)")
+    parser.add_argument("--weights", metavar="PATH", default=None,
+                        help="load the parameters from a safetensors file or a Hugging Face checkpoint directory "
+                             "(each rank reads only its slices); overrides the job file's `weights`")
     parser.add_argument("--trace", metavar="PATH", type=output_file, default=None,
                         help=f"profile the last {TRACED_STEPS} steps into a Chrome trace at PATH (rank r > 0 writes "
                              "PATH's stem + .rank<r>); its ranges carry the schedule's op names")
@@ -120,7 +130,7 @@ def main(args) -> int:
         checkpoints = Checkpointing.from_args(args)
         ctx = init_from_env(timeout_s=args.timeout)
         try:
-            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints)
+            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights)
         finally:
             shutdown()
         return 0
@@ -128,40 +138,46 @@ def main(args) -> int:
     job = load_checked(args.file, nproc)
     checkpoints = Checkpointing.from_args(args)
     trace = str(Path(args.trace).resolve()) if args.trace else None
+    weights = str(Path(args.weights).resolve()) if args.weights else None
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints)
+        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights)
     else:
-        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints,
+        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights,
                timeout=None, threads=threads_per_rank(nproc), prefix_output=False,
                collective_timeout=args.timeout)
     return 0
 
 
 def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
-              checkpoints: Checkpointing = Checkpointing()) -> None:
+              checkpoints: Checkpointing = Checkpointing(), weights: str | None = None) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed, trace, checkpoints)
+    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights)
 
 
 def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None,
-           checkpoints: Checkpointing = Checkpointing()) -> None:
+           checkpoints: Checkpointing = Checkpointing(), weights: str | None = None) -> None:
     """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
     profiler and each rank writes its Chrome trace (`shardlang.profile`). With a checkpoint
     directory, checkpoints are saved (and with ``resume`` the latest is loaded first: the run
-    continues from its data position, and the step numbering with it).
+    continues from its data position, and the step numbering with it). ``weights`` loads pretrained
+    weights (`shardlang.weights`). The last line is the peak memory per rank (`shardlang.runtime.peak_memory`).
     """
     say = _printer(ctx)
     backend = ctx.backend.value if ctx.backend else "no process group"
     say(f"shardlang run {shown(job.path)}: {ctx.world_size} rank{'s' if ctx.world_size > 1 else ''} "
         f"({backend}, {ctx.device}), {steps} steps, seed {seed}")
     started = time.perf_counter()
+    peak = PeakMemory.start()
     model = build(job, seed)
     example = split_for_rank(job, global_batch(job, 0), ctx.world_size, ctx.rank, 0)
+    init = init_of(job, seed, weights)
     step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
-                       lr_schedule=job.lr_schedule)
-    del model  # the step holds this rank's shards
+                       lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
+                       weights=init.weights)
+    del model  # the step holds this rank's state (Note [the step owns the state])
+    peak.mark_init()
     say(f"compiled in {time.perf_counter() - started:.2f} s")
     periodic = checkpoints.periodic()
     first = 0
@@ -205,6 +221,18 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
             + "\n")
     say(step.schedule.summary_text() + "\n")
     say(step.schedule.table(max_rows=TABLE_ROWS))
+    init_bytes, training_bytes = _max_over_ranks(peak.values(), ctx)
+    say(f"peak memory per rank: init {init_bytes / MIB:.0f} MiB, training {training_bytes / MIB:.0f} MiB")
+
+
+def _max_over_ranks(values: tuple[int, int], ctx: DistContext) -> tuple[int, int]:
+    """Each value's maximum over the ranks (a collective when there is a process group)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if ctx.has_process_group:
+        device_t = t.to(ctx.device)
+        dist.all_reduce(device_t, op=dist.ReduceOp.MAX)
+        t = device_t.cpu()
+    return int(t[0]), int(t[1])
 
 
 def _printer(ctx: DistContext):
