@@ -21,7 +21,7 @@ from .flat import FlatParam, build_flat_params
 from .pipeline import DEFAULT_PASSES, run_passes
 from .placement import MeshShape, ParamInfo, Recompute, Strategy
 from .schedule import Schedule, read_schedule
-from .trace import TracedStep, trace_step
+from .trace import TensorShape, TracedStep, trace_step
 from .optim import GroupedOptimizer
 from .training import Training, split_by_group
 from .verify import verify
@@ -62,7 +62,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                  training: Training | None = None, bucket_bytes: int = 0,
                  recompute: Mapping[str, Recompute] | None = None, passes=DEFAULT_PASSES,
                  check_each_pass: bool = False,
-                 dump_dir=None, traced: TracedStep | None = None) -> CompiledStep:
+                 dump_dir=None, traced: TracedStep | None = None,
+                 buffers: Mapping[str, TensorShape] | None = None,
+                 tied: Mapping[str, str] | None = None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -76,6 +78,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``traced`` of an earlier `CompiledStep` of the same model, batch and
     placements, skips tracing: the passes run on a copy of its graph (the
     memory budget's search compiles one trace under many options this way).
+    ``buffers`` stands in for the module's buffers when it holds no storage,
+    and ``tied`` for its tied parameters (`trace_step`).
     """
     default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
     flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -86,7 +90,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     if traced is None:
         traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
-                            training=training)
+                            training=training, buffers=buffers, tied=tied)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, recompute=dict(recompute or {}))

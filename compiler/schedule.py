@@ -4,8 +4,10 @@ It lists, in execution order, every op a rank runs: the collectives
 (all-gather, reduce-scatter, all-reduce) with their payload bytes, the waits
 that complete them, the frees that end a gathered unit's life, the compute
 segments between them, and the optimizer update of each flat parameter. Every
-rank derives the same schedule from the same spec and graph; its `digest` is
-what ranks compare at start-up.
+rank derives the same schedule from the same spec and graph. Its
+`collectives_digest` (the sequence of collectives alone, which no batch shape
+changes: Note [collectives do not depend on the batch]) is what ranks compare at
+start-up; `digest` hashes the whole schedule.
 
 Bytes are payload bytes, the size of the buffer a collective produces or
 consumes on one rank: an all-gather's output (``N * S`` elements), a
@@ -211,8 +213,30 @@ class Schedule:
         return None
 
     def digest(self) -> str:
-        """A hash of the whole schedule; equal on every rank of one SPMD program."""
+        """A hash of the whole schedule (compute segments and memory included)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def collective_sequence(self) -> tuple[tuple, ...]:
+        """Every collective in issue order as ``(kind, group, group_size, bytes, flat, detail, microbatch)``.
+
+        Note [collectives do not depend on the batch]: this is what every rank
+        must agree on, and no batch shape changes it. Parameter collectives move
+        flat parameters and their gradients; batch statistics (BatchNorm) are
+        per channel, with the element count reduced alongside; the gradient norm
+        is one number; micro-batches split each rank's own rows. Compute
+        segments and memory, which do depend on the batch, are left out, so ranks
+        holding batches of different shapes in the same step compare equal.
+        """
+        return tuple((op.kind.value, op.group, op.group_size, op.bytes, op.flat, op.detail, op.microbatch)
+                     for op in self.ops if op.kind in COLLECTIVE_KINDS)
+
+    def collectives_digest(self) -> str:
+        """A hash of `collective_sequence`: what ranks compare at start-up and every new batch shape is checked against.
+
+        Example: ``plan(..., example_batch=short).schedule.collectives_digest() ==
+        plan(..., example_batch=long).schedule.collectives_digest()``.
+        """
+        return hashlib.sha256(json.dumps(self.collective_sequence()).encode()).hexdigest()[:16]
 
     def table(self, max_rows: int | None = None) -> str:
         """The schedule as a text table (see docs/schedule.md for how to read it)."""

@@ -69,8 +69,7 @@ class SyncBatchNorm(TorchFunctionMode):
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
         shape = [1, channels] + [1] * (input.dim() - 2)
-        count = input.numel() // channels * self.group_size
-        total = torch.ops.shardlang.all_reduce_sum(input.sum(dims), self.axis, self.group_size)
+        total, count = self._sum_and_count(input.sum(dims), input.numel() // channels)
         mean = total / count
         centred = input - mean.view(shape)
         second = torch.ops.shardlang.all_reduce_sum((centred * centred).sum(dims), self.axis, self.group_size)
@@ -83,9 +82,33 @@ class SyncBatchNorm(TorchFunctionMode):
         if running_mean is not None and training:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
-                unbiased = var.detach() * (count / max(count - 1, 1))
+                unbiased = var.detach() * _bessel(count)
                 running_var.mul_(1 - momentum).add_(unbiased * momentum)
         return out
+
+
+    def _sum_and_count(self, local_sum: torch.Tensor, local_count: int):
+        """The per-channel sum and the element count over every rank (Note [unequal batches]).
+
+        Note [unequal batches]: ranks may hold batches of different sizes in the
+        same step (a last partial batch, sequences of other lengths), so the
+        count is reduced with the sums, as one extra element of the same
+        all-reduce: its bytes depend on the channels alone, never on the batch
+        shape, and no collective is added. Counts are exact in the sum's dtype up
+        to 2**24 elements per channel (float32); in one process it stays a Python int.
+        """
+        if self.group_size == 1:
+            return local_sum, local_count
+        packed = torch.cat([local_sum, local_sum.new_full((1,), local_count)])
+        reduced = torch.ops.shardlang.all_reduce_sum(packed, self.axis, self.group_size)
+        return reduced[:-1], reduced[-1].detach()
+
+
+def _bessel(count) -> torch.Tensor | float:
+    """``count / (count - 1)``, the unbiased variance's factor (1 for a single element, as torch's guard)."""
+    if isinstance(count, torch.Tensor):
+        return count / (count - 1).clamp_min(1)
+    return count / max(count - 1, 1)
 
 
 def _bind_batch_norm_args(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -73,6 +73,22 @@ class GraphInput:
     role: InputRole
     name: str  # flat name, "flat/state", buffer name, hyper name, or batch leaf index
     flat: str | None = None
+
+
+@attrs.frozen
+class TensorShape:
+    """What tracing needs of a tensor: shape, dtype, device (no storage).
+
+    Example: ``TensorShape.of(model.bn.running_mean)``.
+    """
+
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorShape:
+        return cls(tuple(t.shape), t.dtype, t.device)
 
 
 @attrs.frozen
@@ -121,21 +137,34 @@ def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam, ...], optimizer,
-               batch, data_parallel_size: int = 1, training: Training | None = None) -> TracedStep:
+               batch, data_parallel_size: int = 1, training: Training | None = None,
+               buffers: Mapping[str, TensorShape] | None = None,
+               tied: Mapping[str, str] | None = None) -> TracedStep:
     """Trace the unsharded training step of ``model`` with fake tensors (no real weights needed).
 
     ``batch`` is an example per-rank batch (real or fake); only its shapes and
     dtypes are used. With ``data_parallel_size`` > 1, training-mode BatchNorm is
     traced synchronised over that many ranks (`compiler.sync_batch_norm`).
     ``optimizer`` is an optimizer or a `GroupedOptimizer` (one per parameter group);
-    ``training`` the training features (`compiler.training`).
+    ``training`` the training features (`compiler.training`). ``buffers``
+    (name -> `TensorShape`) stands in for the module's buffers, so a module
+    whose storage is gone (on the meta device) traces again for another batch
+    shape; by default the module's own buffers are the examples. ``tied``
+    (alias -> the name ``named_parameters()`` lists) gives the module's tied
+    parameters, which moving a module to the meta device unties; by default
+    they are read off the module (`tied_parameters`).
     """
     training = training or Training()
     optimizer = GroupedOptimizer.build(optimizer)
-    buffers = dict(model.named_buffers())
+    fake_mode = _fake_mode_of(model)
+    if buffers is None:
+        buffers = dict(model.named_buffers())
+    else:
+        with fake_mode:
+            buffers = {name: torch.empty(b.shape, dtype=b.dtype, device=None if b.device.type == "meta" else b.device)
+                       for name, b in buffers.items()}  # meta: as `_to_fake` traces it
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
     inputs = graph_inputs(flats, optimizer, tuple(buffers), len(batch_leaves))
-    fake_mode = _fake_mode_of(model)
     with fake_mode:
         flat_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats]
         state_inputs = [torch.empty(f.numel, dtype=f.dtype) for f in flats if f.trainable
@@ -147,7 +176,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
     example += [_to_fake(fake_mode, t) for t in (*buffers.values(), *batch_leaves)]
     _check_microbatches(batch_leaves, training.microbatches)
     step_fn = _make_step_fn(_LossModule(model, loss_fn), flats, optimizer, list(buffers), batch_spec, tuple(hyper),
-                            data_parallel_size, training)
+                            data_parallel_size, training, tied_parameters(model) if tied is None else tied)
     with tracing_sites(model) as sites:
         try:
             with fx_traceback.preserve_node_meta(), _annotate_units(model, {f.unit for f in flats}):
@@ -171,8 +200,23 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
     return TracedStep(gm, inputs, batch_spec, shapes, optimizer)
 
 
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """Every alias of a tied parameter -> the name ``named_parameters()`` lists it under.
+
+    Example: a GPT whose head is tied to its embedding gives ``{"head.weight": "tok_emb.weight"}``.
+    """
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper_names, data_parallel_size,
-                  training: Training):
+                  training: Training, tied: Mapping[str, str]):
     n_flat = len(flats)
     n_state = sum(len(optimizer.state_names(f)) for f in flats if f.trainable)
     micro = training.microbatches
@@ -204,6 +248,7 @@ def _make_step_fn(loss_module, flats, optimizer, buffer_names, batch_spec, hyper
             with _annotate_microbatch(i, micro):
                 if grads is None:
                     leaves, trainable = _parameter_leaves(flats, flat_in)
+                    leaves |= {"model." + alias: leaves["model." + name] for alias, name in tied.items()}
                 piece = _microbatch(batch, i, micro)
                 with torch.enable_grad(), fx_traceback.annotate({"phase": Phase.FORWARD.value}), \
                         contextlib.ExitStack() as stack:

@@ -19,6 +19,7 @@ from .batch import check_example_batch
 from .compiler.placement import Recompute
 from .compiler.schedule_format import human_bytes
 from .compiler.optim import AdamW
+from .compiler.trace import TensorShape, tied_parameters
 from .errors import ShardlangRuntimeError, SpecError
 from .materialize import Init, has_meta, materialize
 from .ownership import check_not_handed_over, release
@@ -26,12 +27,13 @@ from .runtime.dist import Backend, DistContext
 from .spec import Spec
 from .step import Step
 from .training import training_of
+from .variants import DEFAULT_SHAPE_LIMIT, Recipe
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
             dist_context: DistContext | None = None, check_each_pass: bool = False, dump_dir=None,
             lr_schedule: Callable | None = None, timeout: float | None = None, init_seed: int = 0,
-            init_weights: Callable | None = None, weights=None) -> Step:
+            init_weights: Callable | None = None, weights=None, shape_limit: int = DEFAULT_SHAPE_LIMIT) -> Step:
     """Compile ``model``'s training step for ``spec`` and bind it to this rank; the step owns the state.
 
     ``loss_fn(model, batch)`` returns a scalar loss; ``example_batch`` is a
@@ -62,6 +64,12 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     has the weights (Note [the step owns the state]); ``step.load_into(model)``
     brings them back whole, for small models.
 
+    A batch of another shape (a last partial batch, other sequence lengths;
+    ranks may differ in the same step) compiles once more on first sight, with
+    the same spec and options, over the same shards and optimizer state
+    (`shardlang.variants`); past ``shape_limit`` distinct shapes a `ShapeWarning`
+    names them. The step keeps a reference to ``model`` to trace it again.
+
     Example::
 
         with torch.device("meta"):
@@ -74,11 +82,13 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     optimizer = optimizer or AdamW(lr=1e-3)
     check_not_handed_over(model)
     init = Init(seed=init_seed, init_weights=init_weights, weights=weights)
-    compiled = _compile(model, loss_fn, spec, optimizer, example_batch, ctx.world_size, check_each_pass, dump_dir)
+    compiled, recipe = _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, ctx.world_size,
+                                            check_each_pass, dump_dir)
     state = None
     if has_meta(model) or weights is not None:
         state = materialize(compiled, model, ctx.rank, ctx.device, init)
-    step = Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, state=state, spec=spec, timeout_s=timeout)
+    step = Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, state=state, spec=spec, timeout_s=timeout,
+                recipe=recipe, shape_limit=shape_limit)
     release(model)
     return step
 
@@ -110,26 +120,39 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
+    return _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
+                                dump_dir)[0]
+
+
+def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
+                         dump_dir) -> tuple[CompiledStep, Recipe]:
+    """The compiled step for ``example_batch``, and the `Recipe` that compiles other batch shapes identically."""
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
     _check_loss_fn(loss_fn)
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
+    training = training_of(resolved)
 
-    def at(recompute, prefetch: int, traced=None) -> CompiledStep:
+    def at(recompute, prefetch: int, traced=None, *, batch=example_batch, buffers=None, tied=None,
+           dump_dir=dump_dir) -> CompiledStep:
         return compile_step(
-            model, loss_fn, resolved.params, resolved.mesh, optimizer, example_batch,
+            model, loss_fn, resolved.params, resolved.mesh, optimizer, batch,
             reshard_after_forward=resolved.options.reshard_after_forward, prefetch=prefetch,
             param_dtype=_precision(resolved.options, "param_dtype"),
             reduce_dtype=_precision(resolved.options, "reduce_dtype"),
-            training=training_of(resolved), bucket_bytes=resolved.options.bucket_bytes,
+            training=training, bucket_bytes=resolved.options.bucket_bytes,
             recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
+            buffers=buffers, tied=tied,
         )
 
+    recipe = Recipe(model, loss_fn, resolved, optimizer, at,
+                    {name: TensorShape.of(b) for name, b in model.named_buffers()}, tied_parameters(model),
+                    None if dump_dir is None else str(dump_dir))
     budget = resolved.options.memory_budget
     if budget is None:
-        return at(resolved.recompute, resolved.options.prefetch)
-    return _fit_budget(budget, resolved, at, example_batch)
+        return at(resolved.recompute, resolved.options.prefetch), recipe
+    return _fit_budget(budget, resolved, at, example_batch), recipe
 
 
 def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:

@@ -30,6 +30,7 @@ from .runtime.groups import mesh_groups
 from .runtime.watch import StepWatch
 from .state import TrainState, optimizer_slice, shard_coordinate
 from .checkpoint.state_dict import ModelNames
+from .variants import DEFAULT_SHAPE_LIMIT, Recipe, Variants
 
 
 class Step:
@@ -43,7 +44,8 @@ class Step:
     """
 
     def __init__(self, compiled: CompiledStep, model: torch.nn.Module | None, optimizer, ctx: DistContext,
-                 lr_schedule=None, state: TrainState | None = None, spec=None, timeout_s: float | None = None):
+                 lr_schedule=None, state: TrainState | None = None, spec=None, timeout_s: float | None = None,
+                 recipe: Recipe | None = None, shape_limit: int = DEFAULT_SHAPE_LIMIT):
         self.compiled = compiled
         self.spec = spec  # for the record (checkpoints); the compiled step is what runs
         self.optimizer = optimizer
@@ -55,8 +57,9 @@ class Step:
         if ctx.has_process_group:  # before making subgroups: different programs would hang there
             _check_same_schedule(compiled.schedule, ctx)
         self._groups = self._make_groups(ctx, timeout_s)
-        names = {key: group.group_name for key, group in self._groups.items()} if ctx.has_process_group else None
-        self._graph = bind(compiled.graph_module, names, self._mesh_coordinate())
+        self._graph = self._bind(compiled)
+        # Note [one state, many graphs]: every batch shape's graph runs on self.state
+        self.variants = Variants(compiled, self._graph, recipe, self._bind, limit=shape_limit)
         self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
                                                       self._optimizer_shard)
         self.names = (ModelNames.of(model) if model is not None
@@ -93,13 +96,14 @@ class Step:
         return self.compiled.schedule
 
     def __call__(self, batch) -> torch.Tensor:
-        inputs = self.graph_inputs(batch)
+        compiled, graph = self.variants.get(batch)
+        inputs = self._inputs(compiled, batch)
         self._watch.begin()
         with torch.no_grad(), self.random or contextlib.nullcontext():  # the graph holds its own backward
             try:
-                loss = self._graph(*inputs)
+                loss = graph(*inputs)
             except Exception as exc:  # a collective that timed out names the late rank and the op
-                error = self._watch.explain(exc, self._graph)
+                error = self._watch.explain(exc, graph)
                 if error is None:
                     raise
                 raise error from exc
@@ -112,13 +116,35 @@ class Step:
 
     @property
     def graph(self) -> torch.fx.GraphModule:
-        """The bound graph this rank runs (collectives on real process groups)."""
+        """The bound graph this rank runs for the example batch's shape (collectives on real process groups)."""
         return self._graph
+
+    @property
+    def batch_shapes(self) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+        """The per-rank batch shapes compiled so far, one entry (each leaf's shape and dtype) per variant."""
+        return [s.leaves for s in self.variants.signatures]
+
+    def graph_for(self, batch) -> torch.fx.GraphModule:
+        """The bound graph that runs ``batch`` (compiling it for a new shape, as a step would)."""
+        return self.variants.get(batch)[1]
+
+    def schedule_for(self, batch) -> Schedule:
+        """The schedule of the graph that runs ``batch``: its collectives are the same for every shape."""
+        return self.variants.get(batch)[0].schedule
 
     def graph_inputs(self, batch) -> list:
         """The bound graph's arguments for one step on the per-rank ``batch`` (for profilers and memory checks)."""
-        leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
+        return self._inputs(self.variants.get(batch)[0], batch)
+
+    def _inputs(self, compiled: CompiledStep, batch) -> list:
+        leaves = batch_leaves(batch, compiled.traced.batch_shapes, self.dist.device)
         return [*self.state.graph_inputs(), *leaves]
+
+    def _bind(self, compiled: CompiledStep) -> torch.fx.GraphModule:
+        """``compiled``'s graph on this rank's process groups and mesh coordinate."""
+        names = ({key: group.group_name for key, group in self._groups.items()} if self.dist.has_process_group
+                 else None)
+        return bind(compiled.graph_module, names, self._mesh_coordinate())
 
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate for the next steps (no retracing: lr is a graph input).
@@ -288,15 +314,20 @@ def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:
 
 
 def _check_same_schedule(schedule: Schedule, ctx: DistContext) -> None:
-    """Every rank must run the same program; a mismatch is an error now, not a hang later."""
+    """Every rank must issue the same collectives; a mismatch is an error now, not a hang later.
+
+    Only the sequence of collectives is compared (`Schedule.collectives_digest`):
+    ranks may hold batches of different shapes, which change compute, not
+    collectives (Note [same collectives for every shape] in `shardlang.variants`).
+    """
     digests: list = [None] * ctx.world_size
-    dist.all_gather_object(digests, schedule.digest())
+    dist.all_gather_object(digests, schedule.collectives_digest())
     groups: dict[str, list[int]] = {}
     for rank, digest in enumerate(digests):
         groups.setdefault(digest, []).append(rank)
     if len(groups) > 1:
         described = "; ".join(f"ranks {ranks} have schedule {d}" for d, ranks in groups.items())
         raise ShardlangRuntimeError(
-            f"ranks compiled different schedules ({described}); every rank must compile the same model, spec, "
-            "optimizer and per-rank batch shape"
+            f"ranks compiled different collectives ({described}); every rank must compile the same model, spec "
+            "and optimizer"
         )
