@@ -144,7 +144,7 @@ def test_check_passes_against_torch_optim(path, dtype, tolerance):
     result = shardlang("check", path, "--world-sizes", "1,2", "--steps", "2", "--dtype", dtype)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{dtype}, seed 0, tolerance {tolerance}" in result.stdout
-    rows = re.findall(r"^([12])\s+(\S+)\s+(\S+)\s+(PASS|FAIL)$", result.stdout, re.MULTILINE)
+    rows = re.findall(r"^([12])\s+(\S+)\s+(\S+)\s+(PASS|FAIL)\s+\S+$", result.stdout, re.MULTILINE)
     assert [(w, verdict) for w, _, _, verdict in rows] == [("1", "PASS"), ("2", "PASS")], result.stdout
     assert result.stdout.rstrip().endswith("PASS")
     if dtype == "float64":  # SGD in float64: the same numbers up to the order of additions
@@ -156,7 +156,7 @@ def test_check_fails_with_exit_1_beyond_the_tolerance(monkeypatch, capsys):
     monkeypatch.setitem(cli.TOLERANCES, (torch.float32, False), 0.0)
     assert main(["check", str(ROOT / MLP), "--world-sizes", "1", "--steps", "1", "--dtype", "float32"]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"^1\s+\S+\s+\S+\s+FAIL$", out, re.MULTILINE) and "FAIL: world size 1" in out
+    assert re.search(r"^1\s+\S+\s+\S+\s+FAIL\s+\S+$", out, re.MULTILINE) and "FAIL: world size 1" in out
 
 
 def test_rank_errors_of_shardlang_are_one_line_others_keep_tracebacks():

@@ -114,3 +114,23 @@ def test_batch_norm_statistics_reduce_the_count_with_the_sums():
     stats = [[op.bytes for op in p.ops if op.detail == "batch statistics"] for p in plans]
     assert stats[0] == stats[1]
     assert stats[0][0] == (8 + 1) * 4 and stats[0][1] == 8 * 4  # sum and count; centred second moment
+
+
+def test_plan_shows_the_schedule_for_the_batch_of_a_given_step(capsys):
+    """`shardlang plan --batch-step K` plans make_batch(K)'s shape: same collectives, other memory."""
+    import json
+    from pathlib import Path
+
+    from shardlang.cli import main
+
+    bert = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
+    plans = []
+    for k in (0, 1, 2):
+        assert main(["plan", bert, "--world", "4", "--batch-step", str(k), "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    collectives = [[(op["kind"], op["bytes"]) for op in p["ops"] if op["kind"] != "compute" and op["bytes"]]
+                   for p in plans]
+    assert collectives[0] and collectives[0] == collectives[1] == collectives[2]
+    assert plans[1]["memory"]["peak"] > plans[0]["memory"]["peak"] > plans[2]["memory"]["peak"]  # per rank (2, 20) > (2, 12) > (1, 12)
+    assert main(["plan", bert, "--world", "4", "--batch-step", "2"]) == 0
+    assert "per-rank batch of step 2: (1, 12) (1, 12)" in capsys.readouterr().out

@@ -24,13 +24,21 @@ from ..compiler import cost
 
 
 def positive(what: str):
+    return _int_parser(what, 1)
+
+
+def nonnegative_int(what: str):
+    return _int_parser(what, 0)
+
+
+def _int_parser(what: str, least: int):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < 1:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; expected an integer >= 1")
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; expected an integer >= {least}")
         return value
 
     return parse

@@ -1,6 +1,8 @@
-"""``shardlang plan FILE --world N [--memory-budget 80GiB] [--recompute P=POLICY] [--json] ...``: plan without processes.
+"""``shardlang plan FILE --world N [--batch-step K] [--memory-budget 80GiB] [--recompute P=POLICY] [--json] ...``: plan without processes.
 
-Compiles for N ranks with fake tensors, no processes; prints the plan
+Compiles for N ranks with fake tensors, no processes, for the per-rank batch
+of ``make_batch(K)`` (default step 0: batches of other shapes compile their
+own graph, with the same collectives and their own memory and time); prints the plan
 (schedule, memory per op and its peak, communication against the formulas,
 predicted time), or one JSON object (`Plan.to_dict`); writes the predicted
 timeline as a Chrome trace, or memory over the schedule as a picture.
@@ -20,11 +22,12 @@ import contextlib
 import sys
 
 import attrs
+from torch.utils import _pytree as pytree
 
 from .. import api
 from ..compiler import cost
 from ..job import build, global_batch, load_job
-from .args import add_model_arguments, byte_size, cost_model, output_file, positive, recompute_rule
+from .args import add_model_arguments, byte_size, cost_model, nonnegative_int, output_file, positive, recompute_rule
 from .common import shown, split_for_rank
 
 
@@ -35,6 +38,9 @@ def add_parser(subparsers) -> None:
         description="Compile FILE's job for N ranks with fake tensors and print its schedule.")
     parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
     parser.add_argument("--world", metavar="N", type=positive("a world size"), required=True, help="world size")
+    parser.add_argument("--batch-step", metavar="K", type=nonnegative_int("a step"), default=0,
+                        help="plan for the shape of make_batch(K)'s per-rank batch (default 0); the collectives are "
+                             "the same for every shape, memory and time are not")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (only that)")
     parser.add_argument("--chrome-trace", metavar="PATH", type=output_file, default=None,
                         help="write the predicted timeline (compute, all-gather, reduce-scatter lanes, memory counter) "
@@ -59,22 +65,27 @@ def main(args) -> int:
     model = cost_model(args)
     with quiet:
         job, plan = plan_job(args.file, args.world, model, memory_budget=args.memory_budget,
-                             recompute=args.recompute)
+                             recompute=args.recompute, batch_step=args.batch_step)
         _write_pictures(args, plan)
     if args.json:
         stdout.write(plan.to_json(indent=2) + "\n")
         stdout.flush()
         return 0
-    print(f"shardlang plan {shown(job.path)}: world {args.world}, optimizer {job.optimizer!r}\n")
+    shapes = " ".join(str(tuple(t.shape)) for t in plan_example_leaves(job, args.world, args.batch_step))
+    print(f"shardlang plan {shown(job.path)}: world {args.world}, optimizer {job.optimizer!r}, "
+          f"per-rank batch of step {args.batch_step}: {shapes}\n")
     print(plan.report())
     return 0
 
 
-def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None = None, recompute=None):
-    """Plan a job file for ``world`` ranks with fake tensors: (job, `Plan`).
+def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None = None, recompute=None,
+             batch_step: int = 0):
+    """Plan a job file for ``world`` ranks with fake tensors, for the batch of ``batch_step``: (job, `Plan`).
 
     ``memory_budget`` and ``recompute`` (a list of ``(pattern, policy)``)
-    override the job's spec when given.
+    override the job's spec when given. With a memory budget the plan of step
+    K searches for K's shape; a running step keeps what its first batch chose
+    (Note [same collectives for every shape] in `shardlang.variants`).
     """
     from ..compiler.plan_report import make_plan
 
@@ -84,10 +95,18 @@ def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None 
         spec = attrs.evolve(spec, recompute=recompute)
     if memory_budget is not None:
         spec = attrs.evolve(spec, options=attrs.evolve(spec.options, memory_budget=memory_budget))
-    example = split_for_rank(job, global_batch(job, 0), world, 0, 0)
-    compiled = api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
-                        example_batch=example, world_size=world)
-    return job, make_plan(compiled, cost_model=model)
+    return job, make_plan(_plan(job, spec, world, batch_step), cost_model=model)
+
+
+def _plan(job, spec, world: int, batch_step: int):
+    example = split_for_rank(job, global_batch(job, batch_step), world, 0, batch_step)
+    return api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
+                    world_size=world)
+
+
+def plan_example_leaves(job, world: int, batch_step: int) -> list:
+    """The leaves of rank 0's batch of ``batch_step`` (what the plan was compiled for)."""
+    return pytree.tree_leaves(split_for_rank(job, global_batch(job, batch_step), world, 0, batch_step))
 
 
 def _write_pictures(args, plan) -> None:
