@@ -5,8 +5,8 @@ rounding from bugs. Measuring each parameter's difference relative to its own
 final size fails on parameters that training leaves at (or near) zero: an
 attention key bias gets a gradient that is zero in exact arithmetic (softmax
 ignores a term added to every score of a row), so in both runs it stays at
-rounding noise, about 4e-16, and the difference of two noises is as large as
-either: a "relative difference" of 0.5 on a correct run.
+rounding noise, about 1e-15, and the difference of two noises is as large as
+either: a "relative difference" of 0.5 to 1.0 on a correct run.
 
 Note [scale of a parameter]: rounding in a step's update is a small fraction
 of the updates that step makes, whichever parameter it lands in: a sum over
