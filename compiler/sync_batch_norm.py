@@ -94,14 +94,16 @@ class SyncBatchNorm(TorchFunctionMode):
         same step (a last partial batch, sequences of other lengths), so the
         count is reduced with the sums, as one extra element of the same
         all-reduce: its bytes depend on the channels alone, never on the batch
-        shape, and no collective is added. Counts are exact in the sum's dtype up
-        to 2**24 elements per channel (float32); in one process it stays a Python int.
+        shape, and no collective is added. Sums in a dtype narrower than float32
+        (bf16 compute) travel as float32, where counts are exact up to 2**24
+        elements per channel; in one process the count stays a Python int.
         """
         if self.group_size == 1:
             return local_sum, local_count
-        packed = torch.cat([local_sum, local_sum.new_full((1,), local_count)])
+        wire = torch.float32 if local_sum.element_size() < 4 else local_sum.dtype
+        packed = torch.cat([local_sum.to(wire), local_sum.new_full((1,), local_count, dtype=wire)])
         reduced = torch.ops.shardlang.all_reduce_sum(packed, self.axis, self.group_size)
-        return reduced[:-1], reduced[-1].detach()
+        return reduced[:-1].to(local_sum.dtype), reduced[-1].detach()
 
 
 def _bessel(count) -> torch.Tensor | float:

@@ -57,9 +57,8 @@ class Step:
         if ctx.has_process_group:  # before making subgroups: different programs would hang there
             _check_same_schedule(compiled.schedule, ctx)
         self._groups = self._make_groups(ctx, timeout_s)
-        self._graph = self._bind(compiled)
         # Note [one state, many graphs]: every batch shape's graph runs on self.state
-        self.variants = Variants(compiled, self._graph, recipe, self._bind, limit=shape_limit)
+        self.variants = Variants(compiled, self._bind(compiled), recipe, self._bind, limit=shape_limit)
         self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
                                                       self._optimizer_shard)
         self.names = (ModelNames.of(model) if model is not None
@@ -113,6 +112,15 @@ class Step:
             self.lr_schedule.advance()
             self._write_lrs(self.lr_schedule.lrs())
         return loss
+
+    @property
+    def _graph(self) -> torch.fx.GraphModule:
+        """The bound graph of the first batch shape; profilers and benchmarks swap it for an instrumented one."""
+        return self.variants.first_graph
+
+    @_graph.setter
+    def _graph(self, graph: torch.fx.GraphModule) -> None:
+        self.variants.first_graph = graph
 
     @property
     def graph(self) -> torch.fx.GraphModule:

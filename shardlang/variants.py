@@ -124,6 +124,15 @@ class Variants:
             signature_of(first): (first, bound)
         }
 
+    @property
+    def first_graph(self) -> torch.fx.GraphModule:
+        """The bound graph of the first compiled shape."""
+        return self._by_signature[signature_of(self.first)][1]
+
+    @first_graph.setter
+    def first_graph(self, graph: torch.fx.GraphModule) -> None:
+        self._by_signature[signature_of(self.first)] = (self.first, graph)
+
     def __len__(self) -> int:
         return len(self._by_signature)
 
