@@ -23,7 +23,7 @@ import torch
 from .. import api
 from ..compare import Movement, relative_difference, scaled_difference
 from ..compiler.optim import Adam
-from ..errors import ShardlangRuntimeError, SpecError
+from ..errors import SpecError
 from ..job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
