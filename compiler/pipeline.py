@@ -26,6 +26,7 @@ from .passes.recompute_activations import recompute_activations
 from .passes.reduce_gradients import reduce_gradients
 from .passes.reshard_after_forward import reshard_after_forward
 from .passes.shard_optimizer import shard_optimizer
+from .passes.skip_nonfinite_updates import skip_nonfinite_updates
 from .passes.split_batch_stat_reductions import split_batch_stat_reductions
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
@@ -39,6 +40,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     reduce_gradients,
     accumulate_microbatches,
     clip_gradients,
+    skip_nonfinite_updates,
     limit_reductions_in_flight,
     gather_updated_shards,
     shard_optimizer,

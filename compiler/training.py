@@ -66,6 +66,8 @@ class Training:
       it overrides (group 0 is the optimizer as given); ``group_of``: the group of
       each trainable parameter that is not in group 0, by name.
     - ``random`` / ``seed``: how ranks draw random numbers (`RandomScheme`).
+    - ``skip_nonfinite``: skip (and count) the optimizer update of a step whose global
+      gradient norm is inf or nan, inside the step (`passes/skip_nonfinite_updates`).
     """
 
     clip_grad_norm: float | None = None
@@ -75,6 +77,7 @@ class Training:
     group_of: Mapping[str, int] = attrs.field(factory=dict)
     random: RandomScheme = RandomScheme.PER_RANK
     seed: int = 0
+    skip_nonfinite: bool = False
 
     def group(self, param_name: str) -> int:
         return self.group_of.get(param_name, 0)
@@ -94,6 +97,8 @@ class Training:
             shown["accumulation"] = self.accumulation.value
         if self.group_overrides:
             shown["param_groups"] = len(self.group_overrides)
+        if self.skip_nonfinite:
+            shown["skip_nonfinite"] = True
         if self.random is not RandomScheme.PER_RANK or self.seed:
             shown["random"] = f"{self.random.value}, seed {self.seed}"
         return shown

@@ -47,7 +47,7 @@ __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed", "bucket_bytes", "memory_budget")
+                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite")
 _SHOWN_NAMES = 12
 
 
@@ -105,6 +105,9 @@ class Options:
       whose planned peak fits (``prefetch`` is then ignored).
     - ``bucket_bytes``: merge consecutive small flat parameters into one
       collective (docs/plan.md, "Bucketing"); 0 (the default) keeps one per unit.
+    - ``skip_nonfinite``: a step whose global gradient norm is inf or nan leaves the
+      parameters and optimizer state as they were, and is counted, as AMP's
+      GradScaler skips ``optimizer.step()`` (docs/training.md).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -121,6 +124,7 @@ class Options:
     seed: int = attrs.field(default=0, validator=training.check_seed)
     bucket_bytes: int = attrs.field(default=0, validator=_check_bucket_bytes)
     memory_budget: int | None = attrs.field(default=None, validator=_check_memory_budget)
+    skip_nonfinite: bool = attrs.field(default=False, validator=_check_bool)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -128,7 +132,7 @@ class Options:
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget"):  # only when not the default
+                     "memory_budget", "skip_nonfinite"):  # only when not the default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

@@ -8,6 +8,7 @@ graph to this rank's process groups and runs it on that state.
 from __future__ import annotations
 
 import contextlib
+import math
 import datetime
 import numbers
 
@@ -18,6 +19,7 @@ from .batch import batch_leaves
 from .compiler.compile import CompiledStep
 from .compiler.emit import WORLD_AXIS, bind, group_keys
 from .compiler.flat import unpack_member
+from .compiler.graph_utils import sl_tag
 from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError, SpecError
@@ -66,6 +68,8 @@ class Step:
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
         self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, ctx.device)
         self.grad_norm: torch.Tensor | None = None  # with clip_grad_norm: the last step's norm before clipping
+        self._flat_sq_norms: torch.Tensor | None = None  # with skip_nonfinite: each flat's squared gradient norm
+        self._skipped = torch.zeros((), dtype=torch.int64)  # steps skipped for a non-finite gradient norm
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
 
@@ -106,8 +110,11 @@ class Step:
                 if error is None:
                     raise
                 raise error from exc
-        if isinstance(loss, tuple):  # Options(clip_grad_norm=...): (loss, the gradient norm before clipping)
-            loss, self.grad_norm = loss
+        if isinstance(loss, tuple):  # clip_grad_norm: (loss, norm before clipping); skip_nonfinite: + per flat
+            loss, self.grad_norm, *per_flat = loss
+            if per_flat:
+                self._flat_sq_norms = per_flat[0]
+                self._skipped += (~torch.isfinite(self.grad_norm)).to(torch.int64).cpu()  # no sync on a GPU
         if self.lr_schedule is not None:
             self.lr_schedule.advance()
             self._write_lrs(self.lr_schedule.lrs())
@@ -180,7 +187,49 @@ class Step:
 
     @property
     def steps_done(self) -> int:
+        """Optimizer updates done (a step skipped by ``skip_nonfinite`` does not count, as in torch.optim)."""
         return int(self.step_count.item())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update ``Options(skip_nonfinite=True)`` skipped for a non-finite gradient norm."""
+        return int(self._skipped)
+
+    def nonfinite_report(self, loss: torch.Tensor) -> str | None:
+        """None when the last step's ``loss`` and gradient norm are finite; else what was not, and where.
+
+        The gradient norm is known with ``clip_grad_norm`` or ``skip_nonfinite``; with
+        ``skip_nonfinite`` the report names the first unit, in backward order (the order
+        in which the gradients were made), whose gradient is inf or nan. Example::
+
+            report = step.nonfinite_report(loss)
+            # "loss nan; gradient norm nan, first in unit 'blocks.3' (backward order; 4 of 6 units);
+            #  update skipped (1 so far)"
+        """
+        loss_ok = bool(torch.isfinite(loss.detach()).all())
+        norm_ok = self.grad_norm is None or bool(torch.isfinite(self.grad_norm))
+        if loss_ok and norm_ok:
+            return None
+        parts = [f"loss {float(loss.detach().reshape(-1)[0]):g}" if not loss_ok else "loss finite"]
+        if self.grad_norm is not None:
+            parts.append(f"gradient norm {float(self.grad_norm):g}" + self._nonfinite_units())
+        if self.compiled.context.training.skip_nonfinite and not norm_ok:
+            parts.append(f"update skipped ({self.skipped_steps} so far)")
+        return "; ".join(parts)
+
+    def _nonfinite_units(self) -> str:
+        """``, first in unit 'u' (backward order; k of n units)`` from the per-flat squared norms."""
+        if self._flat_sq_norms is None:
+            return ""
+        names = next((sl_tag(n).get("flats") for n in self.compiled.graph_module.graph.nodes if sl_tag(n).get("norm")),
+                     ())  # the vector's order (`compiler/passes/_norm.py`)
+        bad = [n for n, v in zip(names, self._flat_sq_norms.tolist()) if not math.isfinite(v)]
+        units = list(dict.fromkeys(f.unit for f in self.compiled.flats if f.trainable))
+        bad_units = list(dict.fromkeys(self.compiled.context.flat(n).unit for n in bad))
+        if not bad_units:
+            return ""
+        first = max(bad_units, key=units.index)  # backward runs the units in reverse
+        return f", first in unit {first!r} (backward order; {len(bad_units)} of {len(units)} units)"
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, by name (a collective: call it on every rank)."""

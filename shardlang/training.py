@@ -199,7 +199,7 @@ def training_of(resolved) -> Training:
     return Training(
         clip_grad_norm=o.clip_grad_norm, microbatches=o.microbatches, accumulation=o.accumulation,
         group_overrides=tuple(g.overrides for g in resolved.param_groups), group_of=dict(resolved.group_of),
-        random=o.random, seed=o.seed,
+        random=o.random, seed=o.seed, skip_nonfinite=o.skip_nonfinite,
     )
 
 

@@ -17,13 +17,9 @@ multiplied by ``clip_coef`` before its update reads it. Every optimizer update
 (and whatever depends on one) moves after the clipping, since no update may
 run on an unclipped gradient.
 
-Note [norm over shards]: a rank holds a 1/world piece of a sharded flat
-parameter's gradient (zero padding adds nothing) and the whole gradient of a
-replicated one. A piece is held by ``mesh.size / flat.world`` ranks (1 for a
-sharded flat on a 1-D mesh; every rank for a replicated one; the replicas on a
-hybrid mesh), so each rank's sum of squares for a flat is multiplied by
-``flat.world / mesh.size`` before the all-reduce: every value then counts once.
-Frozen parameters have no gradient and count for nothing, as in torch.
+Note [norm over shards] is in `_norm`, which computes the norm (shared with
+`skip_nonfinite_updates`; with ``Training.skip_nonfinite`` the all-reduce
+carries one float64 per flat parameter, so that a non-finite norm can name them).
 
 The graph then returns ``(loss, total_norm)`` (the norm before clipping, a
 float64, as ``clip_grad_norm_`` returns it); `Step` keeps it as ``grad_norm``.
@@ -40,8 +36,8 @@ import torch.fx as fx
 from .. import collectives
 from ..context import CompileContext
 from ..graph_utils import positions, tag
-from ..emit import WORLD_AXIS as WORLD
 from ..trace import Phase
+from ._norm import global_norm
 from ._order import is_update, move_after, optimizer_gradients
 
 _aten = torch.ops.aten
@@ -60,7 +56,8 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     order = positions(graph)
     anchor = max(grads.values(), key=order.__getitem__)
     with graph.inserting_before(anchor.next):
-        norm, coef = _clip_coefficient(graph, ctx, grads, max_norm)
+        norm, _per_flat = global_norm(graph, ctx, grads, per_flat=ctx.training.skip_nonfinite)
+        coef = _clip_coefficient(graph, norm, max_norm)
     clipped = {}
     with graph.inserting_before(coef.next):
         for flat, grad in grads.items():
@@ -80,26 +77,11 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _clip_coefficient(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
-                      max_norm: float) -> tuple[fx.Node, fx.Node]:
-    """Nodes computing the global norm and ``min(max_norm / (norm + 1e-6), 1)``; the norm is all-reduced."""
-    total = None
-    for name, grad in grads.items():
-        flat = ctx.flat(name)
-        square = _op(graph, _aten.mul.Tensor, grad, grad)
-        local = _op(graph, _aten.sum.dim_IntList, square, [0], False, dtype=torch.float64)
-        share = flat.world / ctx.mesh.size if flat.sharded else 1 / ctx.mesh.size  # Note [norm over shards]
-        if share != 1:
-            local = _op(graph, _aten.mul.Tensor, local, share)
-        total = local if total is None else _op(graph, _aten.add.Tensor, total, local)
-    buffer = _op(graph, _aten.view.default, total, [1])
-    issued = tag(graph.call_function(collectives.all_reduce, (buffer, WORLD, ctx.mesh.size)), "all_reduce", None,
-                 Phase.OPTIMIZER, detail="gradient norm")
-    summed = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", None, Phase.OPTIMIZER)
-    norm = _op(graph, _aten.sqrt.default, _op(graph, _aten.view.default, summed, []))
+def _clip_coefficient(graph: fx.Graph, norm: fx.Node, max_norm: float) -> fx.Node:
+    """Nodes computing ``min(max_norm / (norm + 1e-6), 1)``, as clip_grad_norm_ does."""
     coef = _op(graph, _aten.reciprocal.default, _op(graph, _aten.add.Tensor, norm, EPS))
     coef = _op(graph, _aten.mul.Tensor, coef, max_norm)
-    return norm, _op(graph, _aten.clamp_max.default, coef, 1.0)
+    return _op(graph, _aten.clamp_max.default, coef, 1.0)
 
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:

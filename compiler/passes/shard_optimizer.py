@@ -24,7 +24,7 @@ from ..graph_utils import sl_tag
 from ..shapes import propagate_shapes
 from ..trace import Phase, phase_of
 
-_READABLE_KINDS = {"wait_reduce", "average", "clip"}
+_READABLE_KINDS = {"wait_reduce", "average", "clip", "skip"}
 
 
 def shard_optimizer(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
