@@ -41,11 +41,12 @@ from ..checkpoint import CheckpointDir
 from ..checkpoint.periodic import Periodic
 from ..errors import SpecError
 from ..job import Job, build, global_batch, init_of, load_job
+from ..progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import launch
 from ..runtime.peak_memory import MIB, PeakMemory
 from .args import output_file, positive, seconds
-from .common import global_mean, load_checked, shown, split_for_rank, threads_per_rank
+from .common import load_checked, shown, split_for_rank, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
 TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
@@ -76,6 +77,13 @@ def add_parser(subparsers) -> None:
                         default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="how long a collective waits for late ranks before the run fails with an error naming "
                              f"them and the schedule op (default {DEFAULT_COLLECTIVE_TIMEOUT_S:g}, as NCCL's)")
+    parser.add_argument("--log-every", metavar="K", type=positive("a number of steps"), default=None,
+                        help="print the plain 'step k/n  loss ...' line every K steps, and the first and last "
+                             "(default: every step when output is not a terminal; under the terminal's progress "
+                             "bar, none)")
+    parser.add_argument("--metrics", metavar="PATH", type=output_file, default=None,
+                        help="write one JSON line per logged step to PATH: loss, step time, throughput, peak "
+                             "memory per rank, ETA (docs/cli.md, 'Metrics')")
     saving = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
     saving.add_argument("--checkpoint-dir", metavar="D", default=None,
                         help="save checkpoints into D/step-<k> (after the last step, and every --checkpoint-every)")
@@ -130,7 +138,7 @@ def main(args) -> int:
         checkpoints = Checkpointing.from_args(args)
         ctx = init_from_env(timeout_s=args.timeout)
         try:
-            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights)
+            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights, _progress(args))
         finally:
             shutdown()
         return 0
@@ -139,23 +147,26 @@ def main(args) -> int:
     checkpoints = Checkpointing.from_args(args)
     trace = str(Path(args.trace).resolve()) if args.trace else None
     weights = str(Path(args.weights).resolve()) if args.weights else None
+    progress = _progress(args)
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights)
+        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights, progress)
     else:
-        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights,
+        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights, progress,
                timeout=None, threads=threads_per_rank(nproc), prefix_output=False,
                collective_timeout=args.timeout)
     return 0
 
 
 def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
-              checkpoints: Checkpointing = Checkpointing(), weights: str | None = None) -> None:
+              checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
+              progress: ProgressOptions = ProgressOptions()) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights)
+    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights, progress)
 
 
 def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None,
-           checkpoints: Checkpointing = Checkpointing(), weights: str | None = None) -> None:
+           checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
+           progress: ProgressOptions = ProgressOptions()) -> None:
     """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
@@ -190,6 +201,7 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
             by = ("not written by shardlang" if restored.world_size is None else
                   f"written by {restored.world_size} rank{'s' if restored.world_size != 1 else ''}")
             say(f"resumed from {restored.path} (step {restored.steps}, {by})")
+    reporter = RunReporter(ctx, steps, progress, first=first)  # how steps are reported (shardlang.progress)
     training = time.perf_counter()
     traced_from = max(first + 1, steps - TRACED_STEPS) if trace else steps
     tracing = contextlib.ExitStack()
@@ -205,13 +217,16 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - begin
-        say(f"step {k + 1}/{steps}  loss {global_mean(loss, ctx):.6f}  time {elapsed * 1e3:.1f} ms"
-            + ("  (profiled)" if run_step is not step else ""))
+        reporter.step(k + 1, loss, elapsed, batch, note="(profiled)" if run_step is not step else "")
+        nonfinite = step.nonfinite_report(loss)
+        if nonfinite is not None:
+            reporter.warn(f"step {k + 1}: {nonfinite}")
         if periodic is not None:
             saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
             if saved is not None:
                 say(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
     tracing.close()
+    reporter.close()
     if periodic is not None:
         periodic.finish(step)
     say(f"trained {steps - first} steps in {time.perf_counter() - training:.2f} s\n")
