@@ -178,7 +178,8 @@ class RunReporter:
         if self._ctx.has_process_group:
             mine = mine.to(self._ctx.device)
             rows = mine.new_empty(self._ctx.world_size * 4)
-            dist.all_gather_into_tensor(rows, mine)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            gather(rows, mine)
             rows = rows.cpu().reshape(self._ctx.world_size, 4)
         else:
             rows = mine.reshape(1, 4)
