@@ -157,6 +157,11 @@ def main(args) -> int:
     return 0
 
 
+def _progress(args) -> ProgressOptions:
+    """The reporting flags of one run (the metrics path made absolute for the ranks)."""
+    return ProgressOptions(log_every=args.log_every, metrics=str(Path(args.metrics).resolve()) if args.metrics else None)
+
+
 def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
               checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
               progress: ProgressOptions = ProgressOptions()) -> None:
