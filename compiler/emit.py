@@ -13,6 +13,14 @@ When the bound graph raises (a collective that timed out, a peer that went
 away), `failing_node` finds the node that raised from the traceback alone, at
 no cost while the step runs; the schedule op that covers that node is then
 `Schedule.op_of_node` (Note [collective timeout] in `shardlang.runtime.watch`).
+
+Note [reduce-scatter as all-to-all]: torch 2.13's gloo runs
+``reduce_scatter_tensor`` as a whole all-reduce plus a copy: ``2(N-1)/N`` of the
+buffer on the wire and a full-size temporary. On gloo, `bind` therefore lowers
+each reduce-scatter to an ``all_to_all_single`` of the N blocks (block r goes to
+rank r: ``(N-1)/N`` of the buffer) and, after its wait, a local sum of the N
+blocks received. The result is the same sum; only the order of the additions
+differs from gloo's (rounding). NCCL keeps its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ WORLD_AXIS = WORLD
 
 
 def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
-         coordinates: dict[str, int] | None = None) -> fx.GraphModule:
+         coordinates: dict[str, int] | None = None, *, reduce_scatter_as_all_to_all: bool = False) -> fx.GraphModule:
     """A copy of ``gm`` whose collectives run on the groups named in ``group_names`` (group key -> c10d group name).
 
     A group key is a mesh axis (``"fsdp"``), every axis (``"*"``), or several
@@ -42,13 +50,21 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     this rank's coordinate) places `collectives.local_shard`. Collectives over a
     group of one rank stay the identities they are and need no group. With
     ``group_names=None`` (world size 1) the graph is returned unchanged.
+    ``reduce_scatter_as_all_to_all`` (gloo) lowers reduce-scatters as Note
+    [reduce-scatter as all-to-all] says.
+
+    Example::
+
+        bound = bind(compiled.graph_module, {"fsdp": group.group_name}, {"fsdp": rank},
+                     reduce_scatter_as_all_to_all=True)
     """
     if group_names is None:
         _check_unbound_is_local(gm)
         return gm
     bound = copy.deepcopy(gm)
     local: set[fx.Node] = set()  # collectives over one rank, left as identities
-    for node in bound.graph.nodes:
+    exchanged: dict[fx.Node, tuple[int, object]] = {}  # reduce-scatters lowered to all-to-all: (N, result value)
+    for node in list(bound.graph.nodes):
         group = collectives.group_of(node)
         if group is not None and group[1] == 1:
             local.add(node)
@@ -60,6 +76,14 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             shard, out, axis, size = node.args
             node.target = _c10d.all_gather_into_tensor_out.default
             node.args, node.kwargs = (shard, size, _group(group_names, axis)), {"out": out}
+        elif node.target is collectives.reduce_scatter and reduce_scatter_as_all_to_all:
+            buffer, axis, size = node.args
+            result = node.meta["val"]
+            block = result.shape[0]
+            node.target = _c10d.all_to_all_single.default
+            node.args = (buffer, [block] * size, [block] * size, _group(group_names, axis))
+            node.meta = {**node.meta, "val": buffer.meta.get("val")}
+            exchanged[node] = (size, result)
         elif node.target is collectives.reduce_scatter:
             buffer, axis, size = node.args
             node.target, node.args = _c10d.reduce_scatter_tensor.default, (buffer, "sum", size, _group(group_names, axis))
@@ -73,9 +97,22 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             node.target, node.args = torch.ops.aten.narrow.default, (full, 0, coordinate * shard, shard)
         elif node.target is collectives.wait and node.args[0] not in local:
             node.target = _c10d.wait_tensor.default
+            if node.args[0] in exchanged:
+                _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
     bound.graph.lint()
     bound.recompile()
     return bound
+
+
+def _sum_blocks(graph: fx.Graph, wait: fx.Node, size: int, result) -> None:
+    """After the wait of a reduce-scatter lowered to all-to-all: the sum of the ``size`` blocks received."""
+    wait.meta = {**wait.meta, "val": wait.args[0].meta.get("val")}
+    with graph.inserting_after(wait):
+        blocks = graph.call_function(torch.ops.aten.view.default, (wait, [size, *result.shape]))
+    with graph.inserting_after(blocks):
+        summed = graph.call_function(torch.ops.aten.sum.dim_IntList, (blocks, [0]))
+    summed.meta = {**wait.meta, "val": result}
+    wait.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not blocks)
 
 
 def _group(group_names: dict[str, str], axis: str) -> str:

@@ -26,7 +26,7 @@ from .errors import ShardlangRuntimeError, SpecError
 from .lr import LRSchedule
 from .ownership import reclaim
 from .random_state import StepRandom
-from .runtime.dist import DistContext
+from .runtime.dist import Backend, DistContext
 from .runtime.dist import check_timeout
 from .runtime.groups import mesh_groups
 from .runtime.watch import StepWatch
@@ -159,7 +159,8 @@ class Step:
         """``compiled``'s graph on this rank's process groups and mesh coordinate."""
         names = ({key: group.group_name for key, group in self._groups.items()} if self.dist.has_process_group
                  else None)
-        return bind(compiled.graph_module, names, self._mesh_coordinate())
+        return bind(compiled.graph_module, names, self._mesh_coordinate(),
+                    reduce_scatter_as_all_to_all=self.dist.backend is Backend.GLOO)
 
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate for the next steps (no retracing: lr is a graph input).
