@@ -10,7 +10,8 @@ layout]), ``all_reduce`` when replicated. Under ZERO1 the packed gradient is
 the whole flat gradient, padded (Note [whole-flat shards]). On a mesh with
 more than one axis a sharded gradient's shard is then all-reduced across the
 other axes (Note [hybrid reduction]). Every gradient is divided by the whole
-world, so it is the mean over every rank's batch. The ``wait`` and the
+world, so it is the mean over every rank's batch (in a world of one, the
+"average" is a view: nothing to divide). The ``wait`` and the
 division come just before the optimizer's first read, so the reduction can overlap the
 rest of backward. The optimizer now reads a gradient of the shard's size.
 
@@ -83,8 +84,10 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 across.append((done, summed))
                 done = tag(graph.call_function(collectives.wait, (summed,)), "wait_reduce", flat.name,
                            Phase.OPTIMIZER)
-            averaged = tag(graph.call_function(torch.ops.aten.div.Tensor, (done, ctx.mesh.size)), "average",
-                           flat.name, Phase.OPTIMIZER)
+            # x / 1 is x to the bit: a world of one skips the pass over every gradient (a view instead).
+            average = (torch.ops.aten.div.Tensor, (done, ctx.mesh.size)) if ctx.mesh.size > 1 else \
+                (torch.ops.aten.alias.default, (done,))
+            averaged = tag(graph.call_function(*average), "average", flat.name, Phase.OPTIMIZER)
             if flat.gradient_reduce_dtype != flat.dtype:  # mixed precision: back to the master dtype
                 averaged = tag(graph.call_function(torch.ops.prims.convert_element_type.default,
                                                    (averaged, flat.dtype)), "average", flat.name, Phase.OPTIMIZER)
