@@ -22,11 +22,15 @@ collective is in flight is not a graph value, but it is memory. NCCL works in
 the collective's own buffers. gloo (torch 2.13) does not: measured with
 mallinfo2 on 100 KiB to 1 MiB payloads at N=2 and N=4 (and on the GPT example,
 tests/test_memory_plan.py), an all-gather holds one more payload once gloo's
-thread starts it (a flat staging copy of the output); a reduce-scatter copies
-its whole input at the issue (it runs as an all-reduce of that copy) and holds
-up to 1/N of a payload more while the ring runs; an all-reduce holds up to 1/N
-of a payload. All of it is released by the time the wait returns (the Work
-object owns it). `gloo_scratch` takes those upper bounds and the plan counts
+thread starts it (a flat staging copy of the output); a reduce-scatter, which
+`emit.bind` lowers on gloo to an all-to-all plus a local sum (Note
+[reduce-scatter as all-to-all]), keeps its input alive until the wait (the
+Work object holds it) and returns a full-size result, ``(1 - 1/N)`` of a
+payload more than the shard the graph's value counts, which the sum right after
+the wait consumes: ``2 - 1/N`` payloads until the wait, ``1 - 1/N`` of them one
+node longer (measured with mallinfo2 on 8 MiB at N = 2 and 4); an all-reduce
+holds up to 1/N of a payload. The rest is released by the time the wait
+returns. `gloo_scratch` takes those upper bounds and the plan counts
 ``scratch[kind] * payload`` bytes from the issue until the wait, so it never
 promises memory that a run may need; `NO_SCRATCH` is NCCL's.
 
@@ -87,11 +91,11 @@ NO_SCRATCH = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
 def gloo_scratch(world_size: int) -> dict[str, float]:
     """gloo's in-flight copies per collective kind, in payloads (Note [collective scratch]).
 
-    Example: ``gloo_scratch(4) == {"all_gather": 1.0, "reduce_scatter": 1.25, "all_reduce": 0.25}``.
+    Example: ``gloo_scratch(4) == {"all_gather": 1.0, "reduce_scatter": 1.75, "all_reduce": 0.25}``.
     """
     if world_size <= 1:
         return dict(NO_SCRATCH)
-    return {"all_gather": 1.0, "reduce_scatter": 1.0 + 1.0 / world_size, "all_reduce": 1.0 / world_size}
+    return {"all_gather": 1.0, "reduce_scatter": 2.0 - 1.0 / world_size, "all_reduce": 1.0 / world_size}
 
 _ROLE_CATEGORY = {
     InputRole.FLAT: Category.PARAMETERS,
@@ -309,7 +313,8 @@ class _Simulator:
         refs: dict[StorageWeakRef, int] = {}
         held: dict[fx.Node, list[StorageWeakRef]] = {}
         live = {c.value: 0 for c in Category}
-        scratch_until: dict[fx.Node, tuple[fx.Node, int]] = {}  # wait node -> (issue, bytes)
+        scratch_until: dict[fx.Node, tuple[int, int]] = {}  # wait node -> (bytes, bytes that outlive it by a node)
+        late: dict[fx.Node, int] = {}  # node -> scratch bytes that outlived a wait and go as this node starts
         records = []
         made_by: dict[StorageWeakRef, fx.Node] = {}
         in_backward = False
@@ -335,7 +340,8 @@ class _Simulator:
             if node.op == "placeholder":
                 self.persistent += allocated
             allocated += self._issue(node, live, scratch_until)
-            released = self._retire(node, live, scratch_until)
+            following = self.nodes[i + 1] if i + 1 < len(self.nodes) else None
+            released = self._retire(node, live, scratch_until, late, following)
             during = sum(live.values())
             self.breakdown_during.append(dict(live))
             freed = 0
@@ -368,17 +374,27 @@ class _Simulator:
         if not extra or not waits:
             return 0
         live[Category.COLLECTIVE_SCRATCH.value] += extra
-        scratch_until[waits[0]] = (node, extra)
+        lingering = int((1 - 1 / (_group_size(node) or 1)) * payload) if kind == "reduce_scatter" else 0
+        lingering = min(extra, lingering)
+        scratch_until[waits[0]] = (extra, lingering)
         return extra
 
     @staticmethod
-    def _retire(node: fx.Node, live: dict, scratch_until: dict) -> int:
-        """A wait returns once the collective is done and its scratch is gone (Note [collective scratch])."""
-        entry = scratch_until.pop(node, None)
-        if entry is None:
-            return 0
-        live[Category.COLLECTIVE_SCRATCH.value] -= entry[1]
-        return entry[1]
+    def _retire(node: fx.Node, live: dict, scratch_until: dict, late: dict, following: fx.Node | None) -> int:
+        """A wait returns once the collective is done and its scratch is gone (Note [collective scratch]).
+
+        Part of a reduce-scatter's scratch outlives its wait by one node: on gloo it runs as an all-to-all
+        whose full-size result the wait returns and the local sum right after it consumes.
+        """
+        released = late.pop(node, 0)
+        extra, lingering = scratch_until.pop(node, (0, 0))
+        if following is None:
+            lingering = 0
+        released += extra - lingering
+        if lingering:
+            late[following] = late.get(following, 0) + lingering
+        live[Category.COLLECTIVE_SCRATCH.value] -= released
+        return released
 
     def _categories(self) -> dict[StorageWeakRef, Category]:
         """Each storage's category, from the node that first holds it (and the gradients' consumers)."""
