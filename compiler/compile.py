@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.fx as fx
 
+from .backend import StepBackend
 from .bucket import bucket_flat_params
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
@@ -53,7 +54,7 @@ class CompiledStep:
         """The predicted timeline (`compiler.cost.Timeline`) under the default `CostModel` (gloo, CPU)."""
         from .cost import CostModel
 
-        return CostModel().predict(self.schedule, self.graph_module)
+        return CostModel(fused=self.context.backend is StepBackend.INDUCTOR).predict(self.schedule, self.graph_module)
 
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
@@ -64,7 +65,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                  check_each_pass: bool = False,
                  dump_dir=None, traced: TracedStep | None = None,
                  buffers: Mapping[str, TensorShape] | None = None,
-                 tied: Mapping[str, str] | None = None) -> CompiledStep:
+                 tied: Mapping[str, str] | None = None,
+                 backend: StepBackend = StepBackend.EAGER) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -73,6 +75,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`);
     ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.bucket`).
     ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
+    ``backend`` says what will run the graph (`compiler.backend`): the graph is the same, the cost model's
+    prediction is not (fused compute).
     Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
     ZERO3 with ``reshard_after_forward``, ZERO2 without. ``traced``, the
     ``traced`` of an earlier `CompiledStep` of the same model, batch and
@@ -93,7 +97,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                             training=training, buffers=buffers, tied=tied)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, recompute=dict(recompute or {}))
+                         prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
     check = _structural_check if check_each_pass else None
     gm = run_passes(copy_graph_module(traced.graph_module), ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from .backend import StepBackend
 from .flat import FlatParam
 from .placement import MeshShape, Recompute
 from .trace import GraphInput
@@ -30,6 +31,7 @@ class CompileContext:
     prefetch: int = 1
     training: Training = Training()
     recompute: Mapping[str, Recompute] = attrs.field(factory=dict)
+    backend: StepBackend = StepBackend.EAGER  # what runs the bound graph; the cost model reads it (fusion)
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

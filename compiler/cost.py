@@ -24,6 +24,9 @@ link; `serialize_collectives=False` gives each kind its own), compute runs
 until a wait, and a wait blocks until its collective ends. The time a wait
 blocks is *exposed* communication; the rest overlaps compute.
 
+With ``fused=True`` (``Options(backend="inductor")``, `compiler.backend`) the
+compute is costed as inductor runs it: Note [fused compute].
+
 The presets and the numbers behind them are in docs/plan.md ("The knobs").
 
 Example::
@@ -36,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -230,6 +234,7 @@ class CostModel:
     link: LinkModel = LINKS["gloo-loopback"]
     compute: ComputeModel = COMPUTE["cpu"]
     serialize_collectives: bool = True
+    fused: bool = False  # Note [fused compute]
 
     def collective_time(self, kind: str, world_size: int, payload: int) -> float:
         return self.link.time(kind, world_size, payload)
@@ -237,6 +242,8 @@ class CostModel:
     def predict(self, schedule: Schedule, gm: fx.GraphModule) -> Timeline:
         """Play ``schedule`` (read off ``gm``) on a compute lane and communication lanes."""
         nodes = {n.name: n for n in gm.graph.nodes}
+        fusion = plan_fusion(gm) if self.fused else None
+        node_time = self.compute.node_time if fusion is None else fusion.node_time(self.compute)
         clock = 0.0
         link_free = {k.value: 0.0 for k in COLLECTIVE_KINDS}
         done: dict[int, float] = {}
@@ -262,7 +269,7 @@ class CostModel:
                     exposed += until - clock
                     clock = until
             elif op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER):
-                duration = sum(self.compute.node_time(nodes[n]) for n in op.node_names if n in nodes)
+                duration = sum(node_time(nodes[n]) for n in op.node_names if n in nodes)
                 spans.append(Span("compute", op.index, name, op.kind.value, clock, duration))
                 clock += duration
                 compute_s += duration
@@ -271,8 +278,91 @@ class CostModel:
             world_size=schedule.world_size, spans=tuple(spans), op_start_s=tuple(starts), op_end_s=tuple(ends),
             step_time_s=clock, compute_s=compute_s, comm_s=comm, exposed_comm_s=exposed,
             model={"link": attrs.asdict(self.link), "compute": attrs.asdict(self.compute),
-                   "serialize_collectives": self.serialize_collectives},
+                   "serialize_collectives": self.serialize_collectives,
+                   "fusion": None if fusion is None else fusion.summary()},
         )
+
+
+@attrs.frozen
+class FusionPlan:
+    """Which compute nodes inductor fuses into a consumer, and which write their result (Note [fused compute]).
+
+    ``inlined``: pointwise nodes computed inside their consumers' kernel (their
+    result is never written to memory); ``kernels``: the nodes that still run as
+    a kernel (or an extern call: matmuls, attention, collectives) and write a result.
+
+    Example::
+
+        plan = plan_fusion(compiled.graph_module)
+        plan.summary()          # {'compute_nodes': 2990, 'inlined': 1510, 'kernels': 1210, 'views': 270}
+    """
+
+    inlined: frozenset[str]
+    kernels: frozenset[str]
+    views: frozenset[str]
+
+    def summary(self) -> dict[str, int]:
+        n = len(self.inlined) + len(self.kernels) + len(self.views)
+        return {"compute_nodes": n, "inlined": len(self.inlined), "kernels": len(self.kernels),
+                "views": len(self.views)}
+
+    def node_time(self, model: ComputeModel) -> Callable[[fx.Node], float]:
+        """Seconds per node under fusion: inlined nodes and views are free; a kernel reads its region's inputs."""
+        def time(node: fx.Node) -> float:
+            if node.op != "call_function" or node.name in self.inlined or node.name in self.views:
+                return 0.0
+            moved = _tensor_bytes(node.meta.get("val")) + sum(_tensor_bytes(a.meta.get("val"))
+                                                               for a in self._region_inputs(node))
+            return model.op_overhead_s + max(node_flops(node) / model.flops_per_s, moved / model.bytes_per_s)
+
+        return time
+
+    def _region_inputs(self, node: fx.Node) -> list[fx.Node]:
+        """The materialised values a kernel reads: through inlined producers and views, to what was written."""
+        out, seen, stack = [], set(), list(node.all_input_nodes)
+        while stack:
+            arg = stack.pop()
+            if arg in seen:
+                continue
+            seen.add(arg)
+            if arg.name in self.inlined or arg.name in self.views:
+                stack.extend(arg.all_input_nodes)
+            else:
+                out.append(arg)
+        return out
+
+
+def plan_fusion(gm: fx.GraphModule) -> FusionPlan:
+    """Note [fused compute]: inductor's vertical fusion, as the cost model counts it.
+
+    A pointwise node (``torch.Tag.pointwise``, not in place) whose every user is
+    pointwise or a view is computed inside its users' kernel: it costs no kernel
+    launch and its result never goes through memory. Views cost nothing (index
+    arithmetic). Everything else (matmuls, attention, reductions, collectives,
+    in-place updates, and pointwise nodes with a non-pointwise user) is a kernel
+    that reads its inputs, through the inlined nodes, and writes its result.
+    Horizontal fusion (independent kernels merged) and reductions fused with their
+    pointwise epilogue are not counted: the model stays on the slow side.
+    """
+    inlined, kernels, views = set(), set(), set()
+    for node in reversed(list(gm.graph.nodes)):  # users before producers
+        if node.op != "call_function":
+            continue
+        if is_alias_op(node):
+            views.add(node.name)
+        elif _pointwise(node) and node.users and all(
+                u.name in inlined or u.name in views or (_pointwise(u) and u.name in kernels) for u in node.users):
+            inlined.add(node.name)
+        else:
+            kernels.add(node.name)
+    return FusionPlan(frozenset(inlined), frozenset(kernels), frozenset(views))
+
+
+def _pointwise(node: fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    schema = getattr(target, "_schema", None)
+    return torch.Tag.pointwise in tags and not (schema is not None and schema.is_mutable)
 
 
 def op_name(op) -> str:

@@ -16,6 +16,7 @@ Example::
 
 from .api import compile, plan
 from .batch import split_batch
+from .compiler.backend import StepBackend
 from .compiler.optim import SGD, Adam, AdamW
 from .compiler.schedule import OpKind, Schedule
 from .compiler.verify import verify
@@ -43,7 +44,7 @@ __all__ = [
     "Rule", "SGD", "Schedule",
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
     "compile", "plan", "replicate", "shard", "split_batch", "verify",
-    "Accumulation", "ParamGroup", "RandomScheme",
+    "Accumulation", "ParamGroup", "RandomScheme", "StepBackend",
     "DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3",
     "Recompute", "RecomputeRule",
 ]

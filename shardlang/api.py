@@ -143,7 +143,7 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
             reduce_dtype=_precision(resolved.options, "reduce_dtype"),
             training=training, bucket_bytes=resolved.options.bucket_bytes,
             recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
-            buffers=buffers, tied=tied,
+            buffers=buffers, tied=tied, backend=resolved.options.backend,
         )
 
     recipe = Recipe(model, loss_fn, resolved, optimizer, at,

@@ -32,6 +32,7 @@ from shardlang.compiler.placement import MeshShape, ParamInfo, Placement, Recomp
 from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
 from shardlang.precision import MixedPrecision
+from shardlang.compiler.backend import StepBackend
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang import training
 from shardlang.recompute import RecomputeRule, first_recompute, recompute_rule_from_dict, to_recompute
@@ -47,7 +48,7 @@ __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite")
+                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend")
 _SHOWN_NAMES = 12
 
 
@@ -88,6 +89,17 @@ def _check_memory_budget(_instance: object, _attribute: object, value: object) -
         )
 
 
+def _to_backend(value: object) -> StepBackend:
+    if isinstance(value, StepBackend):
+        return value
+    try:
+        return StepBackend(value)
+    except ValueError:
+        raise SpecError(f"Options.backend is {value!r}; valid backends are "
+                        f"{[b.value for b in StepBackend]} ('inductor': compile the step with torch.compile's "
+                        "inductor, collectives included)") from None
+
+
 @attrs.frozen
 class Options:
     """How the compiled step trades memory for overlap.
@@ -108,6 +120,9 @@ class Options:
     - ``skip_nonfinite``: a step whose global gradient norm is inf or nan leaves the
       parameters and optimizer state as they were, and is counted, as AMP's
       GradScaler skips ``optimizer.step()`` (docs/training.md).
+    - ``backend``: what runs the compiled graph: ``"eager"`` (the default, node by
+      node) or ``"inductor"`` (torch.compile's inductor compiles the whole step,
+      collectives included; `compiler.backend`, docs/spec.md).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -125,6 +140,7 @@ class Options:
     bucket_bytes: int = attrs.field(default=0, validator=_check_bucket_bytes)
     memory_budget: int | None = attrs.field(default=None, validator=_check_memory_budget)
     skip_nonfinite: bool = attrs.field(default=False, validator=_check_bool)
+    backend: StepBackend = attrs.field(default=StepBackend.EAGER, converter=_to_backend, repr=training.enum_repr)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -132,7 +148,7 @@ class Options:
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget", "skip_nonfinite"):  # only when not the default
+                     "memory_budget", "skip_nonfinite", "backend"):  # only when not the default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
+from .compiler.backend import StepBackend, compile_graph
 from .compiler.compile import CompiledStep
 from .compiler.emit import WORLD_AXIS, bind, group_keys
 from .compiler.flat import unpack_member
@@ -65,6 +66,7 @@ class Step:
                                                       self._optimizer_shard)
         self.names = (ModelNames.of(model) if model is not None
                       else ModelNames.of_flats(compiled.flats, self.state.buffer_names))
+        self._runner = self._compile_backend(compiled, ctx)
         self.lr_schedule = LRSchedule(lr_schedule, self.lrs) if lr_schedule is not None else None
         self.random = StepRandom.for_step(self._graph, compiled.context.training, ctx.rank, ctx.device)
         self.grad_norm: torch.Tensor | None = None  # with clip_grad_norm: the last step's norm before clipping
@@ -102,9 +104,11 @@ class Step:
         compiled, graph = self.variants.get(batch)
         inputs = self._inputs(compiled, batch)
         self._watch.begin()
+        # The backend compiled the example batch's graph; other batch shapes run eager.
+        run = self._runner.run if self._runner.backend is not StepBackend.EAGER and graph is self._graph else graph
         with torch.no_grad(), self.random or contextlib.nullcontext():  # the graph holds its own backward
             try:
-                loss = graph(*inputs)
+                loss = run(*inputs)
             except Exception as exc:  # a collective that timed out names the late rank and the op
                 error = self._watch.explain(exc, graph)
                 if error is None:
@@ -133,6 +137,11 @@ class Step:
     def graph(self) -> torch.fx.GraphModule:
         """The bound graph this rank runs for the example batch's shape (collectives on real process groups)."""
         return self._graph
+
+    @property
+    def backend_compile_s(self) -> float:
+        """Seconds the backend took to compile the bound graph (``Options(backend="inductor")``; 0 for eager)."""
+        return self._runner.compile_s
 
     @property
     def batch_shapes(self) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
@@ -325,6 +334,28 @@ class Step:
 
         return load(self, path)
 
+    def _compile_backend(self, compiled: CompiledStep, ctx: DistContext):
+        """The bound graph compiled by ``Options.backend``; Note [one compile per machine].
+
+        Every rank compiles the same graph. On one machine the ranks share
+        inductor's cache, so the first local rank compiles alone while the others
+        wait, and then they load its result from the cache instead of all
+        building the same kernels at once on the same cores. The first rank
+        reaches the barrier even when its compile fails, so nobody hangs.
+        """
+        inputs = [*self.state.graph_inputs(), *_example_leaves(compiled, ctx.device)]
+        backend = compiled.context.backend
+        if backend is StepBackend.EAGER or not ctx.has_process_group or ctx.world_size == 1:
+            return compile_graph(self._graph, backend, inputs)
+        first = ctx.local_rank == 0
+        if not first:
+            dist.barrier()
+        try:
+            return compile_graph(self._graph, backend, inputs)
+        finally:
+            if first:
+                dist.barrier()
+
     def _mesh_coordinate(self) -> dict[str, int]:
         """This rank's coordinate on each mesh axis (row-major over the axes in order)."""
         return self.compiled.context.mesh.coordinate(self.dist.rank)
@@ -360,6 +391,11 @@ class Step:
             for group in {id(g): g for g in groups.values()}.values():
                 dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         return groups
+
+
+def _example_leaves(compiled: CompiledStep, device: torch.device) -> list[torch.Tensor]:
+    """Batch leaves of the compiled shapes, for a backend to compile against (their values are never read)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in compiled.traced.batch_shapes]
 
 
 def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:

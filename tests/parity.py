@@ -31,12 +31,16 @@ def spec_for(case, world_size: int, **options) -> sl.Spec:
 
 
 def train_sharded(ctx, case_name: str, optimizer: str, dtype: str, steps: int, options: dict | None = None,
-                  rules=None):
-    """Train ``steps`` steps sharded on this rank; every rank returns (losses, params, buffers, schedule dict)."""
+                  rules=None, strategies=None):
+    """Train ``steps`` steps sharded on this rank; every rank returns (losses, params, buffers, schedule dict).
+
+    ``strategies`` are ``(pattern, strategy name)`` pairs, e.g. ``[("*", "ZeRO1")]``.
+    """
     case, dt = CASES[case_name], DTYPES[dtype]
     spec = spec_for(case, ctx.world_size, **(options or {}))
-    if rules is not None:
-        spec = sl.Spec(mesh=spec.mesh, rules=rules, units=spec.units, options=spec.options)
+    if rules is not None or strategies is not None:
+        spec = sl.Spec(mesh=spec.mesh, rules=rules, units=spec.units, options=spec.options,
+                       strategies=[(p, getattr(sl, s)) for p, s in strategies or ()] or None)
     losses, step = run_steps(ctx, case, dt, spec, optimizer, steps)
     params = step.full_parameters()
     return losses, params, {k: v.clone() for k, v in step.full_buffers().items()}, step.schedule.to_dict()
