@@ -44,10 +44,12 @@ from .modes import FAKE, GLOO, MODES, SIZES, RunSpec, run_rank
 from .reference import references
 from .report import aggregate, render_markdown, write_plot
 
-DEFAULT_MODES = ("shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp")
+DEFAULT_MODES = ("shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "shardlang-inductor", "fsdp2",
+                 "fsdp2-compile", "ddp")
+DEFAULT_SIZES = ["10M", "100M", "10M-latency", "100M-latency"]
 N1_ONLY = ("single",)  # runs whenever N = 1 does
 # At N = 1 the same program as shardlang:
-NOT_AT_N1 = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "shardlang-rs-a2a")
+NOT_AT_N1 = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp")
 RUN_TIMEOUT_S = 1800.0
 
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the pools stop their ranks
     quick = {"sizes": ["tiny"], "world_sizes": [1, 2], "warmup": 1, "steps": 1, "prime": False}
-    full = {"sizes": ["10M", "100M"], "world_sizes": [1, 2, 4], "warmup": 2, "steps": 3, "prime": True}
+    full = {"sizes": DEFAULT_SIZES, "world_sizes": [1, 2, 4], "warmup": 2, "steps": 3, "prime": True}
     for key, value in (quick if args.quick else full).items():  # options given explicitly win
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -151,7 +153,8 @@ def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str,
 # Bytes per parameter a mode holds on each rank, (whole, sharded over N), generously: parameters, gradients,
 # AdamW moments, DDP's buckets, ZeRO-2's gathered parameters, plus transients.
 _BYTES_PER_PARAM = {"single": (20, 0), "ddp": (24, 0), "shardlang-ddp": (20, 0), "shardlang-zero1": (8, 8),
-                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16), "shardlang-rs-a2a": (0, 16)}
+                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16), "shardlang-inductor": (4, 16),
+                    "fsdp2-compile": (4, 16)}
 
 
 def _resident_estimate(mode: str, ref) -> float:
@@ -213,11 +216,12 @@ def _csv(kind):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=_csv(str),
-                   help=f"model sizes, comma-separated, from {', '.join(SIZES)} (default 10M,100M)")
+                   help=f"model sizes and settings, comma-separated, from {', '.join(SIZES)} "
+                        f"(default {','.join(DEFAULT_SIZES)}; '-latency': one 128-token sequence per rank)")
     p.add_argument("--world-sizes", type=_csv(int), help="world sizes (default 1,2,4)")
     p.add_argument("--modes", type=_csv(str), default=list(DEFAULT_MODES),
                    help=f"modes besides the one-process reference, from {', '.join(MODES[1:])} "
-                        "(default: all but the what-if shardlang-rs-a2a)")
+                        "(default: all)")
     p.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 2)")
     p.add_argument("--steps", type=int, help="timed steps (default 3); one instrumented step follows")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")
@@ -245,7 +249,8 @@ def _check(args) -> None:
             raise SystemExit(f"python -m benchmarks: error: unknown mode {mode!r}; valid modes are {', '.join(MODES)}")
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("python -m benchmarks: error: --warmup and --steps must be at least 1")
+    split = [s for s in args.sizes if SIZES[s].per_rank_batch is None]  # the global batch is split over ranks
     for world in args.world_sizes:
-        if world < 1 or args.global_batch % world:
+        if world < 1 or (split and args.global_batch % world):
             raise SystemExit(f"python -m benchmarks: error: world size {world} must be >= 1 and divide "
                              f"--global-batch {args.global_batch}")

@@ -26,9 +26,9 @@ it (they are not part of shardlang, and they read its private graph):
 - ``--updates-after-reduction``: also move each flat parameter's optimizer update
   to just after its reduction's wait (dependencies first, in-place order kept),
   so its gradient shard dies there instead of living to the end of the step.
-- ``--reduce-scatter-as-all-to-all``: each gloo reduce-scatter as an all-to-all
-  of the N blocks plus a local sum: half the bytes gloo sends.
-- ``--skip-division-by-one``: at N = 1, drop the averaging of gradients by 1.
+(Two earlier what-ifs, each gloo reduce-scatter as an all-to-all plus a local sum
+and no division by one at N = 1, are now what the compiler does: Note
+[reduce-scatter as all-to-all] in `compiler/emit.py`, `passes/reduce_gradients.py`.)
 
 Check that a rewrite keeps the numbers: the loss it prints must equal the one
 without it.
@@ -80,50 +80,6 @@ def early_reduce_waits(gm: fx.GraphModule) -> fx.GraphModule:
         if wait is not None:
             following.append(wait)
     gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace each gloo reduce-scatter by an all-to-all of the N blocks and a local sum over them.
-
-    torch 2.13's gloo runs ``reduce_scatter_tensor`` as a whole all-reduce
-    (``2(N-1)/N`` of the buffer on the wire); an all-to-all sends each block to
-    the rank that keeps it, ``(N-1)/N``, and the sum happens where it lands.
-    """
-    c10d = torch.ops._c10d_functional
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.target is not c10d.reduce_scatter_tensor.default:
-            continue
-        buffer, _op, size, group = node.args
-        block = node.meta["val"].shape[0]
-        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
-        with graph.inserting_before(node):
-            exchanged = graph.call_function(c10d.all_to_all_single.default, (buffer, [block] * size, [block] * size,
-                                                                              group))
-        exchanged.meta = dict(node.meta)
-        node.replace_all_uses_with(exchanged)
-        graph.erase_node(node)
-        for wait in waits:
-            with graph.inserting_after(wait):
-                blocks = graph.call_function(torch.ops.aten.view.default, (wait, [size, block]))
-            with graph.inserting_after(blocks):
-                summed = graph.call_function(torch.ops.aten.sum.dim_IntList, (blocks, [0]))
-            wait.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not blocks)
-    graph.lint()
-    gm.recompile()
-    return gm
-
-
-def skip_division_by_one(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop the gradient averaging (``/ N``) where N is 1: a full pass over every gradient that changes nothing."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if _kind(node) == "average" and node.args and node.args[1] == 1:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    graph.lint()
     gm.recompile()
     return gm
 
@@ -226,7 +182,7 @@ class _Timeline(fx.Interpreter):
 
 
 def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bool, profile: bool,
-             steps: int, all_to_all: bool = False, skip_average: bool = False) -> dict:
+             steps: int) -> dict:
     torch.set_num_threads(1)
     _, own_group = _join_group(RunSpec(SIZES[size], (mode,), ctx.world_size), ctx)  # gloo: no swap to undo
     spec = RunSpec(SIZES[size], (mode,), ctx.world_size, warmup=1, steps=steps)
@@ -240,10 +196,6 @@ def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bo
         step._graph = early_reduce_waits(step._graph)
     if updates:
         step._graph = updates_after_reduction(step._graph)
-    if all_to_all:
-        step._graph = reduce_scatter_as_all_to_all(step._graph)
-    if skip_average:
-        step._graph = skip_division_by_one(step._graph)
     losses, times, cpu = [], [], []
     for batch in batches[:-1]:
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -315,10 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--early-reduce-waits", action="store_true")
     p.add_argument("--updates-after-reduction", action="store_true")
     p.add_argument("--timeline", action="store_true", help="memory after every graph node (an fx.Interpreter run)")
-    p.add_argument("--reduce-scatter-as-all-to-all", action="store_true",
-                   help="what-if: each reduce-scatter as an all-to-all plus a local sum (half gloo's bytes)")
-    p.add_argument("--skip-division-by-one", action="store_true",
-                   help="what-if: at N = 1, drop the gradient averaging by 1")
     p.add_argument("--retention", action="store_true", help="what pending gloo collectives hold (2 ranks)")
     args = p.parse_args(argv)
     if args.retention:
@@ -326,18 +274,15 @@ def main(argv: list[str] | None = None) -> int:
             for what, used in pool.run(retention)[0].items():
                 print(f"{used:6d} MiB  {what}")
         return 0
-    rewrites = (args.early_reduce_waits or args.updates_after_reduction or args.reduce_scatter_as_all_to_all
-                or args.skip_division_by_one)
+    rewrites = args.early_reduce_waits or args.updates_after_reduction
     if args.mode not in SHARDLANG_MODES and (rewrites or args.timeline):
         p.error(f"the what-if rewrites and --timeline need a shardlang mode, not {args.mode}")
     with WorkerPool(args.world, threads=1, timeout=None) as pool:
         pool.run(diagnose, "tiny", args.mode, False, False, False, False, 1)  # imports, one-time caches
         out = pool.run(diagnose, args.size, args.mode, args.early_reduce_waits, args.updates_after_reduction,
-                       args.timeline, args.profile, args.steps, args.reduce_scatter_as_all_to_all,
-                       args.skip_division_by_one)[0]
+                       args.timeline, args.profile, args.steps)[0]
     print(f"{args.size} N={args.world} {args.mode} early_reduce_waits={args.early_reduce_waits} "
-          f"updates_after_reduction={args.updates_after_reduction} "
-          f"reduce_scatter_as_all_to_all={args.reduce_scatter_as_all_to_all}")
+          f"updates_after_reduction={args.updates_after_reduction}")
     print(f"state {out['state'] / MiB:.1f} MiB, peak {out['peak'] / MiB:.1f} MiB, step {out['step']:.3f} s "
           f"(CPU {out['cpu']:.3f} s), "
           f"losses {' '.join(f'{x:.6f}' for x in out['losses'])}")

@@ -11,9 +11,11 @@ AdamW at the same hyperparameters:
   shardlang's other strategies (`shardlang.strategy`): parameters kept from forward
   to backward; whole parameters with sharded optimizer state; nothing sharded.
   At N = 1 every strategy is the same program, so only ``shardlang`` runs there.
-- ``shardlang-rs-a2a``: a what-if, not run by default: ``shardlang`` with each
-  reduce-scatter replaced by an all-to-all and a local sum (`diagnose`).
+- ``shardlang-inductor``: ``shardlang`` with ``Options(backend="inductor")``: the
+  whole step (forward, backward, optimizer, collectives) compiled by inductor.
 - ``fsdp2``: ``fully_shard`` on each transformer block and on the root, defaults.
+- ``fsdp2-compile``: torchtitan's way: ``torch.compile`` on each transformer block
+  (in place, ``block.compile()``), then ``fully_shard`` as ``fsdp2``; the optimizer stays eager.
 - ``ddp``: ``DistributedDataParallel``, defaults.
 
 Note [side by side]: a run is one (model size, world size, backend) with every
@@ -52,20 +54,21 @@ from shardlang.runtime.dist import Backend, DistContext
 
 from .probes import StepProbe, bytes_written, give_memory_back, memory_in_use
 
-MODES = ("single", "shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "fsdp2", "ddp",
-         "shardlang-rs-a2a")
+MODES = ("single", "shardlang", "shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "shardlang-inductor",
+         "fsdp2", "fsdp2-compile", "ddp")
 STRATEGIES = {"shardlang": "ZeRO3", "shardlang-zero2": "ZeRO2", "shardlang-zero1": "ZeRO1", "shardlang-ddp": "DDP",
-              "shardlang-rs-a2a": "ZeRO3"}
-#: What-ifs, not shardlang as it is: a benchmark rewrite of the bound graph (see `diagnose`), never run by default.
-WHAT_IFS = ("shardlang-rs-a2a",)
+              "shardlang-inductor": "ZeRO3"}
+INDUCTOR_MODES = ("shardlang-inductor",)
 SHARDLANG_MODES = tuple(STRATEGIES)
-PEER_MODES = ("fsdp2", "ddp")
+PEER_MODES = ("fsdp2", "fsdp2-compile", "ddp")
 GLOO, FAKE = "gloo", "fake"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSize:
-    """A GPT size for the benchmark: ``GPTConfig`` fields plus the sequence length trained on."""
+    """A GPT size and setting for the benchmark: ``GPTConfig`` fields, the sequence length trained on, and
+    ``per_rank_batch``: sequences per rank (the latency-heavy setting), or None: the run's global batch split
+    over the ranks (the throughput setting)."""
 
     name: str
     n_layer: int
@@ -73,6 +76,11 @@ class ModelSize:
     n_head: int
     vocab_size: int
     seq_len: int
+    per_rank_batch: int | None = None
+
+    def global_batch(self, default: int, world: int) -> int:
+        """Sequences per step over all ranks: ``per_rank_batch * world``, or ``default`` split over the ranks."""
+        return default if self.per_rank_batch is None else self.per_rank_batch * world
 
     def config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
@@ -82,10 +90,15 @@ class ModelSize:
         return make_gpt(**dataclasses.asdict(self.config()))
 
 
+_10M = {"n_layer": 6, "n_embd": 320, "n_head": 5, "vocab_size": 8192}
+_100M = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 16384}
 SIZES = {
     "tiny": ModelSize("tiny", n_layer=2, n_embd=64, n_head=2, vocab_size=64, seq_len=32),
-    "10M": ModelSize("10M", n_layer=6, n_embd=320, n_head=5, vocab_size=8192, seq_len=64),
-    "100M": ModelSize("100M", n_layer=12, n_embd=768, n_head=12, vocab_size=16384, seq_len=64),
+    "10M": ModelSize("10M", **_10M, seq_len=64),
+    "100M": ModelSize("100M", **_100M, seq_len=64),
+    # The latency-heavy setting: one 128-token sequence per rank, so the step is short and fixed costs weigh.
+    "10M-latency": ModelSize("10M-latency", **_10M, seq_len=128, per_rank_batch=1),
+    "100M-latency": ModelSize("100M-latency", **_100M, seq_len=128, per_rank_batch=1),
 }
 
 
@@ -118,7 +131,8 @@ class RunSpec:
     def batches(self, rank: int) -> list[torch.Tensor]:
         """This rank's batch of every step: the rows of the global batch it owns."""
         s = self.size
-        return [split_batch(make_tokens(k, self.global_batch, s.seq_len, s.vocab_size), self.world, rank)
+        batch = s.global_batch(self.global_batch, self.world)
+        return [split_batch(make_tokens(k, batch, s.seq_len, s.vocab_size), self.world, rank)
                 for k in range(self.warmup + self.steps + 1)]
 
 
@@ -146,8 +160,9 @@ class ShardlangTrainer:
     def __init__(self, model: torch.nn.Module, mode: str, spec: RunSpec, ctx: DistContext, example: torch.Tensor):
         import shardlang as sl
 
+        options = sl.Options(backend="inductor" if mode in INDUCTOR_MODES else "eager")
         sl_spec = sl.Spec(sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))], units=["blocks.*"],
-                          strategies=[("*", getattr(sl, STRATEGIES[mode]))])
+                          strategies=[("*", getattr(sl, STRATEGIES[mode]))], options=options)
         # The fake backend's collectives return no data, so the start-up comparison of schedule
         # digests across ranks (an all_gather_object) cannot run there: skip it, and only there.
         skip_check = mock.patch("shardlang.step._check_same_schedule") if spec.backend == FAKE else nullcontext()
@@ -156,10 +171,6 @@ class ShardlangTrainer:
             self.step_fn = sl.compile(model, lm_loss, sl_spec, example_batch=example, dist_context=ctx,
                                       optimizer=sl.AdamW(lr=spec.lr, weight_decay=spec.weight_decay))
         self.compile_s = time.perf_counter() - started
-        if mode == "shardlang-rs-a2a":
-            from .diagnose import reduce_scatter_as_all_to_all
-
-            self.step_fn._graph = reduce_scatter_as_all_to_all(self.step_fn._graph)
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step_fn(batch)
@@ -168,7 +179,8 @@ class ShardlangTrainer:
         schedule = self.step_fn.schedule
         summary = schedule.summary
         m = sum(f.padded_bytes for f in schedule.flats if f.sharded or f.trainable)
-        return {"compile_s": self.compile_s, "schedule_payload": dict(summary.bytes_per_rank),
+        return {"compile_s": self.compile_s, "backend_compile_s": self.step_fn.backend_compile_s,
+                "schedule_payload": dict(summary.bytes_per_rank),
                 "schedule_collectives": dict(summary.collectives), "M_padded": m}
 
 
@@ -180,10 +192,12 @@ def build_trainer(mode: str, spec: RunSpec, ctx: DistContext, example: torch.Ten
         return TorchTrainer(model, model.parameters(), spec)
     if mode in SHARDLANG_MODES:
         return ShardlangTrainer(model, mode, spec, ctx, example)
-    if mode == "fsdp2":
+    if mode in ("fsdp2", "fsdp2-compile"):
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
+            if mode == "fsdp2-compile":  # torchtitan: compile each block, then shard it
+                block.compile()
             fully_shard(block)
         fully_shard(model)
         return TorchTrainer(model, model.parameters(), spec)
@@ -251,11 +265,14 @@ def run_rank(ctx: DistContext, spec: RunSpec) -> dict[str, dict]:
         started = time.perf_counter()
         trainers[mode] = build_trainer(mode, spec, ctx, batches[0])
         build_s = time.perf_counter() - started
+        first_step_s = 0.0
         for batch in batches[: spec.warmup]:
-            trainers[mode].step(batch)
+            started = time.perf_counter()
+            float(trainers[mode].step(batch))
+            first_step_s = first_step_s or time.perf_counter() - started  # torch.compile compiles here
         gc.collect()
-        records[mode] = {"rank": ctx.rank, "build_s": build_s, "state": memory_in_use() - before,
-                         "times": [], "cpu": [], "wire": []}
+        records[mode] = {"rank": ctx.rank, "build_s": build_s, "first_step_s": first_step_s,
+                         "state": memory_in_use() - before, "times": [], "cpu": [], "wire": []}
     for k, batch in enumerate(batches[spec.warmup : spec.warmup + spec.steps]):
         shift = k % len(spec.modes)
         for mode in spec.modes[shift:] + spec.modes[:shift]:

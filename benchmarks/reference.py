@@ -51,9 +51,11 @@ def references(size: ModelSize, worlds: list[int], global_batch: int, seed: int 
     params = sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     root = params - sum(sum(p.numel() for p in b.parameters()) for b in model.blocks)
-    tokens = make_tokens(0, global_batch, size.seq_len, size.vocab_size)
-    out = {n: Reference(params, 4 * max(block, root), _saved_bytes(model, tokens[: global_batch // n]), n)
-           for n in worlds}
+    out = {}
+    for n in worlds:
+        batch = size.global_batch(global_batch, n)
+        tokens = make_tokens(0, batch, size.seq_len, size.vocab_size)
+        out[n] = Reference(params, 4 * max(block, root), _saved_bytes(model, tokens[: batch // n]), n)
     del model
     return out
 
