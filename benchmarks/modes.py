@@ -39,10 +39,10 @@ AdamW moments, DDP's rebuilt buckets) is in ``state``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
-import contextlib
 from unittest import mock
 
 import torch
