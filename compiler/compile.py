@@ -85,12 +85,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``buffers`` stands in for the module's buffers when it holds no storage,
     and ``tied`` for its tied parameters (`trace_step`).
     """
-    default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
-    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              default_strategy=default_strategy)
     training = training or Training()
-    flats = split_by_group(flats, training)
-    flats = bucket_flat_params(flats, bucket_bytes)
+    flats = step_flats(params, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype, training=training, bucket_bytes=bucket_bytes)
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     if traced is None:
         traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
@@ -98,7 +95,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
-    check = _structural_check if check_each_pass else None
+    check = structural_check if check_each_pass else None
     gm = run_passes(copy_graph_module(traced.graph_module), ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)
@@ -117,7 +114,22 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:
+def step_flats(params: tuple[ParamInfo, ...], mesh: MeshShape, *, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+               training: Training | None = None, bucket_bytes: int = 0) -> tuple[FlatParam, ...]:
+    """The flat parameters `compile_step` compiles for these placements: annotate, split by group, bucket.
+
+    The evaluation graph of a step uses the same ones (`compiler.evaluate`), so
+    it can be planned without tracing the training step.
+    """
+    default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
+    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              default_strategy=default_strategy)
+    flats = split_by_group(flats, training or Training())
+    return bucket_flat_params(flats, bucket_bytes)
+
+
+def structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:
     """After each pass: the graph is well formed and its gathers are waited for and freed."""
     from .verify import _check_gather_lifetimes, _check_waits
 

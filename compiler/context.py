@@ -32,6 +32,7 @@ class CompileContext:
     training: Training = Training()
     recompute: Mapping[str, Recompute] = attrs.field(factory=dict)
     backend: StepBackend = StepBackend.EAGER  # what runs the bound graph; the cost model reads it (fusion)
+    evaluate: bool = False  # a forward-only evaluation graph (`compiler.evaluate`)
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

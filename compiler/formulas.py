@@ -22,6 +22,9 @@ Summed over flat parameters this gives the textbook totals: ZERO3 ``M + R``
 (``R <= M``) all-gathered and ``M`` reduce-scattered, ZERO2 and ZERO1 ``M`` and
 ``M``, DDP ``M`` all-reduced.
 
+An evaluation schedule (`compiler.evaluate`) gathers each ZERO3 / ZERO2 flat
+parameter once, P, and has nothing else: no re-gather, no reduction.
+
 Example::
 
     assert formula_bytes(schedule) == schedule.summary.bytes_per_rank
@@ -54,11 +57,15 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
     for f in schedule.flats:
         row = {k.value: 0 for k in COLLECTIVE_KINDS}
         if f.strategy == "ddp" or not f.sharded:
-            if f.trainable:
+            if f.trainable and not schedule.is_evaluation:
                 row["all_reduce"] = f.numel * f.element_size
             out[f.name] = row
             continue
         p = f.padded_bytes
+        if schedule.is_evaluation:
+            row["all_gather"] = p if f.strategy in ("zero3", "zero2") else 0
+            out[f.name] = row
+            continue
         shard_group = sizes.get(f.axis, schedule.world_size) if f.axis else schedule.world_size
         replicas = schedule.world_size // shard_group
         if f.strategy in ("zero3", "zero2"):

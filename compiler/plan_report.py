@@ -129,7 +129,12 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
         "reduce_scatter": f"M_trainable = {human_bytes(m_trainable)}",
         "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
     }
-    if not _plain_full_sharding(schedule):
+    if schedule.is_evaluation:  # forward only: each gathered unit once, nothing reduced
+        gathered = sum(f.padded_bytes for f in sharded if f.strategy in ("zero3", "zero2"))
+        expressions = {"all_gather": f"M = {human_bytes(gathered)} (each unit once, forward only)",
+                       "reduce_scatter": "none: evaluation has no gradients",
+                       "all_reduce": "none: evaluation has no gradients, eval-mode BatchNorm no batch statistics"}
+    elif not _plain_full_sharding(schedule):
         expressions = {k: "per flat parameter by its strategy (docs/strategies.md)" for k in expressions}
     return tuple(CommunicationRow(k, planned[k], formula[k], expressions[k]) for k in planned)
 
@@ -144,7 +149,7 @@ def format_communication(schedule: Schedule) -> str:
                      f"{verdict}{row.expression}")
     wire = sum(schedule.summary.wire_bytes_per_rank.values())
     line = f"on the wire per rank: {human_bytes(wire)}"
-    if _plain_full_sharding(schedule):
+    if _plain_full_sharding(schedule) and not schedule.is_evaluation:
         m = sum(f.padded_bytes for f in schedule.flats if f.sharded)
         line += f"; full sharding's textbook 3(N-1)/N*M = {human_bytes(3 * (n - 1) / n * m if n > 1 else 0)}"
     lines.append(line)

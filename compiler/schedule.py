@@ -164,6 +164,11 @@ class Schedule:
                 wire[op.kind.value] += op.bytes * wire_factor(op.kind.value, op.group_size or self.world_size)
         return Summary(self.world_size, counts, sizes, wire)
 
+    @property
+    def is_evaluation(self) -> bool:
+        """Whether this is a forward-only evaluation schedule (`compiler.evaluate`)."""
+        return bool(self.options.get("evaluate"))
+
     def flat(self, name: str) -> FlatSummary:
         return next(f for f in self.flats if f.name == name)
 
@@ -264,9 +269,15 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         mesh=ctx.mesh.axes,
         flats=tuple(_flat_summary(f) for f in ctx.flats),
         ops=tuple(builder.ops),
-        options={"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch,
-                 **ctx.training.schedule_options(), **_recompute_options(ctx)},
+        options=_options(ctx),
     )
+
+
+def _options(ctx: CompileContext) -> dict:
+    if ctx.evaluate:  # no training features apply to a forward-only graph
+        return {"evaluate": True, "prefetch": ctx.prefetch}
+    return {"reshard_after_forward": ctx.reshard_after_forward, "prefetch": ctx.prefetch,
+            **ctx.training.schedule_options(), **_recompute_options(ctx)}
 
 
 def _recompute_options(ctx: CompileContext) -> dict[str, object]:

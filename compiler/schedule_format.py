@@ -33,8 +33,9 @@ def format_summary(schedule: Schedule) -> str:
     s = schedule.summary
     mesh = " x ".join(f"{name}={size}" for name, size in schedule.mesh)
     sharded = [f for f in schedule.flats if f.sharded]
+    title = "evaluation schedule (forward only)" if schedule.is_evaluation else "schedule"
     lines = [
-        f"schedule: world {schedule.world_size} (mesh {mesh}), {len(schedule.ops)} ops, "
+        f"{title}: world {schedule.world_size} (mesh {mesh}), {len(schedule.ops)} ops, "
         f"{len(schedule.flats)} flat parameters ({len(sharded)} sharded)",
         f"options: {', '.join(f'{k}={v}' for k, v in schedule.options.items())}",
         f"{'collective':<16}{'count':>7}{'payload/rank':>16}{'on the wire':>16}",

@@ -22,6 +22,10 @@ flat parameter's optimizer update, and ``unit`` on every forward node that runs
 inside a unit's module (the innermost one; ``""`` for the model itself outside
 every other unit; nodes of the loss function outside the model have none).
 
+`trace_forward` traces the evaluation graph instead (Note [evaluation graph]):
+the same FLAT placeholders and buffers, then the batch, and no gradients, no
+optimizer and no step count.
+
 Note [no decomposition]: make_fx runs without a decomposition table, so
 ``scaled_dot_product_attention`` stays one fused forward op with its matching
 backward op. Decomposing the forward alone gives silently wrong gradients.
@@ -100,6 +104,7 @@ class TracedStep:
     batch_spec: pytree.TreeSpec
     batch_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     optimizer: GroupedOptimizer | None = None  # the optimizer of each parameter group
+    output_spec: pytree.TreeSpec | None = None  # evaluation graphs: the structure of what ``fn`` returned
 
 
 def phase_of(node: torch.fx.Node) -> Phase | None:
@@ -134,6 +139,82 @@ def graph_inputs(flats: tuple[FlatParam, ...], optimizer, buffer_names, n_batch_
     inputs += [GraphInput(InputRole.BUFFER, b) for b in buffer_names]
     inputs += [GraphInput(InputRole.BATCH, str(i)) for i in range(n_batch_leaves)]
     return tuple(inputs)
+
+
+def eval_graph_inputs(flats: tuple[FlatParam, ...], buffer_names, n_batch_leaves) -> tuple[GraphInput, ...]:
+    """The input signature of an evaluation graph: FLAT, BUFFER, BATCH (Note [evaluation graph])."""
+    inputs = [GraphInput(InputRole.FLAT, f.name, f.name) for f in flats]
+    inputs += [GraphInput(InputRole.BUFFER, b) for b in buffer_names]
+    inputs += [GraphInput(InputRole.BATCH, str(i)) for i in range(n_batch_leaves)]
+    return tuple(inputs)
+
+
+def trace_forward(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, ...], batch) -> TracedStep:
+    """Trace ``fn(model, batch)`` forward only, in eval mode, with fake tensors (Note [evaluation graph]).
+
+    ``fn`` is the loss function, or any function of (model, batch) that returns
+    a tensor or a pytree of tensors (logits, say); the graph returns its leaves
+    and `TracedStep.output_spec` their structure. Only the shapes and dtypes of
+    ``model``'s buffers and of ``batch`` are read, so the module may hold fake,
+    meta or stale tensors.
+
+    Example::
+
+        traced = trace_forward(model, loss_fn, flats, per_rank_batch)
+        traced.graph_module.graph      # placeholders: flats, buffers, batch leaves; no backward
+    """
+    buffers = dict(model.named_buffers())
+    batch_leaves, batch_spec = pytree.tree_flatten(batch)
+    inputs = eval_graph_inputs(flats, tuple(buffers), len(batch_leaves))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        example = [torch.empty(f.numel, dtype=f.dtype) for f in flats]
+        example += [torch.empty(b.shape, dtype=b.dtype) for b in buffers.values()]
+    example += [_to_fake(fake_mode, t) for t in batch_leaves]
+    loss_module = _LossModule(model, fn)
+    buffer_keys = ["model." + k for k in buffers]
+    output_spec = []
+
+    def forward_fn(*args):
+        flat_in, rest = args[: len(flats)], args[len(flats):]
+        named = dict(zip(buffer_keys, rest[: len(buffer_keys)]))
+        piece = pytree.tree_unflatten(list(rest[len(buffer_keys):]), batch_spec)
+        compute_dtype = next((f.param_dtype for f in flats if f.param_dtype is not None), None)
+        if compute_dtype is not None:  # mixed precision casts floating inputs, as in training
+            piece = pytree.tree_map(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, piece)
+        leaves, _ = _parameter_leaves(flats, flat_in, trainable=False)
+        with fx_traceback.annotate({"phase": Phase.FORWARD.value}):
+            out = torch.func.functional_call(loss_module, {**leaves, **named}, (piece,), tie_weights=True,
+                                             strict=False)
+        out_leaves, spec = pytree.tree_flatten(out)
+        bad = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor)]
+        if bad or not out_leaves:
+            raise TraceError(f"the evaluated function must return a tensor or a tuple/list/dict of tensors; "
+                             f"it returned {type(out).__name__}" + (f" holding {', '.join(bad)}" if bad else ""))
+        output_spec.append(spec)
+        return out_leaves
+
+    try:
+        with fx_traceback.preserve_node_meta(), torch.no_grad(), _eval_mode(model):
+            gm = make_fx(forward_fn, tracing_mode="fake")(*example)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise TraceError(f"tracing the evaluation step failed: {type(exc).__name__}: {exc}") from exc
+    shapes = tuple((tuple(t.shape), t.dtype) for t in batch_leaves)
+    return TracedStep(gm, inputs, batch_spec, shapes, None, output_spec[0])
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """``model.eval()`` for the duration (BatchNorm reads its running statistics, dropout is off), then restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam, ...], optimizer,
@@ -333,9 +414,12 @@ def _sum_gradients_early(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _parameter_leaves(flats, flat_in) -> tuple[dict, list]:
-    """Each parameter as a view of its flat input, detached into an autograd leaf (tagged ``member``)."""
-    leaves, trainable = {}, []
+def _parameter_leaves(flats, flat_in, trainable: bool = True) -> tuple[dict, list]:
+    """Each parameter as a view of its flat input, detached into an autograd leaf (tagged ``member``).
+
+    With ``trainable=False`` (evaluation) no leaf requires a gradient.
+    """
+    leaves, grads = {}, []
     for flat, tensor in zip(flats, flat_in):
         start = 0
         for m in flat.members:
@@ -344,12 +428,12 @@ def _parameter_leaves(flats, flat_in) -> tuple[dict, list]:
                 if flat.param_dtype is not None:  # mixed precision: compute in param_dtype
                     leaf = leaf.to(flat.param_dtype)
                 leaf = leaf.detach()
-                if flat.trainable:
+                if flat.trainable and trainable:
                     leaf.requires_grad_(True)
-                    trainable.append(leaf)
+                    grads.append(leaf)
             leaves["model." + m.name] = leaf
             start += m.info.numel
-    return leaves, trainable
+    return leaves, grads
 
 
 def _annotate_microbatch(i: int, micro: int):

@@ -19,6 +19,11 @@
      recompute and the backward, never one of its own (Note [one gather for
      recompute and backward] in passes/recompute_activations.py).
 
+An evaluation schedule (``options["evaluate"]``, Note [evaluation graph] in
+`compiler.evaluate`) keeps 1 and 2 and replaces 3 to 5 by: it is forward only,
+with no reduction and no optimizer update, and each flat parameter is gathered
+at most once (ZERO3, ZERO2) or never (ZERO1, DDP: every rank holds it whole).
+
 `verify` raises `ScheduleError` naming the op and the flat parameter at fault.
 Tests run it after every pass; `compile` runs it once at the end.
 """
@@ -33,6 +38,9 @@ from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
 def verify(schedule: Schedule) -> None:
     _check_waits(schedule)
     _check_gather_lifetimes(schedule)
+    if schedule.is_evaluation:
+        _check_forward_only(schedule)
+        return
     _check_reductions(schedule)
     _check_optimizer_locality(schedule)
     _check_strategies(schedule)
@@ -78,6 +86,27 @@ def _check_gather_lifetimes(schedule: Schedule) -> None:
     if live:
         flat = next(iter(live))
         raise ScheduleError(f"{flat} is gathered at op {live[flat]} and never freed")
+
+
+def _check_forward_only(schedule: Schedule) -> None:
+    """An evaluation schedule: forward ops, no reductions, no updates, one gather per gathered flat at most."""
+    gathered: dict[str, int] = {}
+    for op in schedule.ops:
+        if op.phase != "forward":
+            raise ScheduleError(f"op {op.index} ({op.kind.value}) of an evaluation schedule is in phase {op.phase}; "
+                                "evaluation is forward only")
+        if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.OPTIMIZER):
+            raise ScheduleError(f"op {op.index} of an evaluation schedule is a {op.kind.value}"
+                                + (f" of {op.flat}" if op.flat else "") + "; evaluation reduces and updates nothing")
+        if op.kind is OpKind.ALL_GATHER:
+            flat = schedule.flat(op.flat)
+            if flat.strategy in (Strategy.ZERO1.value, Strategy.DDP.value):
+                raise ScheduleError(f"{flat.strategy} {flat.name} is gathered at op {op.index}; under "
+                                    f"{flat.strategy} every rank holds the whole parameter")
+            if op.flat in gathered:
+                raise ScheduleError(f"{op.flat} is gathered twice in an evaluation schedule (ops "
+                                    f"{gathered[op.flat]} and {op.index}); forward needs it once")
+            gathered[op.flat] = op.index
 
 
 def _check_reductions(schedule: Schedule) -> None:

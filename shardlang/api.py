@@ -14,7 +14,8 @@ from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler.budget import fit_budget
-from .compiler.compile import CompiledStep, compile_step
+from .compiler.compile import CompiledStep, compile_step, step_flats
+from .compiler.evaluate import compile_eval
 from .batch import check_example_batch
 from .compiler.placement import Recompute
 from .compiler.schedule_format import human_bytes
@@ -88,18 +89,21 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     if has_meta(model) or weights is not None:
         state = materialize(compiled, model, ctx.rank, ctx.device, init)
     step = Step(compiled, model, optimizer, ctx, lr_schedule=lr_schedule, state=state, spec=spec, timeout_s=timeout,
-                recipe=recipe, shape_limit=shape_limit)
+                recipe=recipe, shape_limit=shape_limit, loss_fn=loss_fn)
     release(model)
     return step
 
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
-         optimizer=None, example_batch, world_size: int, check_each_pass: bool = False) -> CompiledStep:
+         optimizer=None, example_batch, world_size: int, check_each_pass: bool = False,
+         evaluate: bool = False) -> CompiledStep:
     """Compile for ``world_size`` ranks with fake tensors: no processes, no real weights.
 
     ``build_model`` is called under a `FakeTensorMode`, so even a model too big
     for this machine is planned without allocating it. Returns the compiled step;
-    its ``.schedule`` is the plan.
+    its ``.schedule`` is the plan. With ``evaluate=True`` it is the step's
+    evaluation graph instead (``Step.evaluate``: ``loss_fn`` forward only, in
+    eval mode), on the same flat parameters.
 
     Example::
 
@@ -116,7 +120,28 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
             model = build_model()
         if not isinstance(model, torch.nn.Module):
             raise SpecError(f"build_model() returned {type(model).__name__} {_short(model)}, not a torch.nn.Module")
+    if evaluate:
+        return _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass)
     return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None)
+
+
+def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass) -> CompiledStep:
+    """The evaluation graph over the flat parameters the training step would have (no training trace)."""
+    if not isinstance(spec, Spec):
+        raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
+    resolved = spec.resolve(model, world_size)
+    options = resolved.options
+    if options.memory_budget is not None:  # the budget picks the step's options; its evaluations reuse them
+        trained = _compile(model, loss_fn, spec, optimizer, example_batch, world_size, False, None)
+        flats, prefetch = trained.flats, trained.context.prefetch
+    else:
+        flats = step_flats(resolved.params, resolved.mesh, reshard_after_forward=options.reshard_after_forward,
+                           param_dtype=_precision(options, "param_dtype"),
+                           reduce_dtype=_precision(options, "reduce_dtype"), training=training_of(resolved),
+                           bucket_bytes=options.bucket_bytes)
+        prefetch = options.prefetch
+    return compile_eval(model, loss_fn, flats, resolved.mesh, example_batch, prefetch=prefetch,
+                        check_each_pass=check_each_pass)
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:

@@ -24,6 +24,7 @@ from .compiler.graph_utils import sl_tag
 from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError, SpecError
+from .evaluate import Evaluation, Evaluations
 from .lr import LRSchedule
 from .ownership import reclaim
 from .random_state import StepRandom
@@ -48,7 +49,8 @@ class Step:
 
     def __init__(self, compiled: CompiledStep, model: torch.nn.Module | None, optimizer, ctx: DistContext,
                  lr_schedule=None, state: TrainState | None = None, spec=None, timeout_s: float | None = None,
-                 recipe: Recipe | None = None, shape_limit: int = DEFAULT_SHAPE_LIMIT):
+                 recipe: Recipe | None = None, shape_limit: int = DEFAULT_SHAPE_LIMIT,
+                 loss_fn=None):
         self.compiled = compiled
         self.spec = spec  # for the record (checkpoints); the compiled step is what runs
         self.optimizer = optimizer
@@ -74,6 +76,7 @@ class Step:
         self._skipped = torch.zeros((), dtype=torch.int64)  # steps skipped for a non-finite gradient norm
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
+        self._evaluations = Evaluations(model, loss_fn, compiled) if model is not None else None
 
     # The state's tensors, by the names the step has always had (Note [one state, many graphs]).
     @property
@@ -123,6 +126,31 @@ class Step:
             self.lr_schedule.advance()
             self._write_lrs(self.lr_schedule.lrs())
         return loss
+
+    def evaluate(self, batch, fn=None):
+        """Evaluate on the per-rank ``batch``: the loss (or ``fn(model, batch)``), forward only, on this step's state.
+
+        The model is in eval mode (BatchNorm uses its running statistics,
+        dropout is off) and nothing is differentiated, reduced or updated;
+        units are gathered and freed as in the training forward. ``fn`` returns
+        a tensor or a tuple/list/dict of tensors, e.g. the logits. Every rank
+        must call it alike (a collective). Example::
+
+            val_loss = step.evaluate(val_batch)
+        """
+        return self.evaluation(batch, fn)(batch)
+
+    def evaluation(self, batch, fn=None) -> Evaluation:
+        """The bound evaluation graph for ``fn`` (default: the loss) and ``batch``'s shapes, compiled on first use.
+
+        Its ``.schedule`` is the evaluation's plan. Example::
+
+            print(step.evaluation(val_batch).schedule.summary_text())
+        """
+        if self._evaluations is None:
+            raise ShardlangRuntimeError("this step was made from a TrainState without its module; evaluation "
+                                        "needs the module's structure: make the step with sl.compile")
+        return self._evaluations.get(batch, fn, self.state, self.dist, self._mesh_coordinate())
 
     @property
     def _graph(self) -> torch.fx.GraphModule:

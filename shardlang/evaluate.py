@@ -1,0 +1,116 @@
+"""Sharded evaluation: a forward-only graph over the training step's own state.
+
+`Evaluation` is one bound evaluation graph (Note [evaluation graph] in
+`compiler.evaluate`): for one function of (model, batch) and one per-rank
+batch shape, it gathers each unit before use and frees it after, as the
+training forward does, with no gradients, no reductions and no optimizer. It
+reads the `TrainState` of the step it belongs to (Note [one state, many
+graphs]): the same parameter storage and buffers, passed by reference, never
+copied, so evaluating after k steps sees exactly the parameters of step k.
+
+A `Step` makes them on demand (`Step.evaluation`, `Step.evaluate`) and keeps
+one per (function, batch shape). Every rank must evaluate alike: the first
+evaluation of a function and shape compiles and compares its schedule across
+ranks, as the training step does.
+
+Example::
+
+    step = sl.compile(model, loss_fn, spec, example_batch=batch)
+    step(batch)                                            # a training step
+    val = step.evaluate(val_batch)                         # the loss, model.eval(), no gradients
+    logits = step.evaluate(val_batch, fn=lambda m, b: m(b[:, :-1]))   # or any outputs
+    print(step.evaluation(val_batch).schedule)             # gathers and frees, forward only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .batch import batch_leaves
+from .compiler.compile import CompiledStep
+from .compiler.emit import bind, group_keys
+from .compiler.evaluate import compile_eval
+from .compiler.schedule import Schedule
+from .runtime.dist import DistContext
+from .runtime.groups import mesh_groups
+from .state import TrainState
+
+
+class Evaluation:
+    """One bound evaluation graph over a `TrainState`; call it with a per-rank batch.
+
+    It returns what the evaluated function returns on this rank's batch (for a
+    mean-reduced loss, the mean over this rank's rows; the global mean is the
+    mean over ranks when every rank has as many rows).
+
+    Example::
+
+        evaluation = step.evaluation(val_batch)
+        evaluation.schedule.summary.collectives     # {'all_gather': ..., 'reduce_scatter': 0, 'all_reduce': 0}
+        loss = evaluation(val_batch)
+    """
+
+    def __init__(self, compiled: CompiledStep, state: TrainState, ctx: DistContext,
+                 coordinate: dict[str, int]):
+        self.compiled = compiled
+        self.state = state
+        self.dist = ctx
+        names = None
+        if ctx.has_process_group:
+            from .step import _check_same_schedule  # one check for every graph a step runs
+
+            _check_same_schedule(compiled.schedule, ctx)
+            groups = mesh_groups(compiled.context.mesh, group_keys(compiled.graph_module), ctx.rank)
+            names = {key: group.group_name for key, group in groups.items()}
+        self._graph = bind(compiled.graph_module, names, coordinate)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The evaluation schedule: gathers, waits, frees and forward compute."""
+        return self.compiled.schedule
+
+    @property
+    def graph(self) -> torch.fx.GraphModule:
+        """The bound graph this rank runs."""
+        return self._graph
+
+    def graph_inputs(self, batch) -> list:
+        """The graph's arguments: the state's parameter storage and buffers (the same tensors), then the batch."""
+        leaves = batch_leaves(batch, self.compiled.traced.batch_shapes, self.dist.device)
+        return [*self.state.flat_tensors, *self.state.buffers, *leaves]
+
+    def __call__(self, batch):
+        with torch.no_grad():
+            outputs = self._graph(*self.graph_inputs(batch))
+        return pytree.tree_unflatten(list(outputs), self.compiled.traced.output_spec)
+
+
+class Evaluations:
+    """A step's evaluation graphs, compiled on first use, one per (function, per-rank batch shape)."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, training: CompiledStep):
+        self.module = module  # its structure only: parameters and buffers come from the state
+        self.loss_fn = loss_fn
+        self.training = training
+        self._bound: dict[tuple, Evaluation] = {}
+
+    def get(self, batch, fn: Callable | None, state: TrainState, ctx: DistContext,
+            coordinate: dict[str, int]) -> Evaluation:
+        fn = fn or self.loss_fn
+        if fn is None:
+            from .errors import ShardlangRuntimeError
+
+            raise ShardlangRuntimeError("this step was made without a loss function; pass evaluate(batch, fn=...) "
+                                        "with fn(model, batch) returning what to compute")
+        leaves, spec = pytree.tree_flatten(batch)
+        key = (fn, spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                               for t in leaves))
+        evaluation = self._bound.get(key)
+        if evaluation is None:
+            context = self.training.context
+            compiled = compile_eval(self.module, fn, context.flats, context.mesh, batch, prefetch=context.prefetch)
+            evaluation = self._bound[key] = Evaluation(compiled, state, ctx, coordinate)
+        return evaluation

@@ -1,0 +1,104 @@
+"""Sharded evaluation (`Step.evaluate`): equal to one process's ``model.eval()`` under ``torch.no_grad`` at
+1, 2 and 4 ranks, forward only, on the training step's own state; and its schedule, alone and in plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import evaluate_workers as w
+import shardlang as sl
+from models import CASES
+from shardlang.batch import split_batch
+from shardlang.compiler.schedule import OpKind, Schedule
+from shardlang.compiler.verify import verify
+
+STEPS = 3
+TOLERANCE = 1e-9  # float64: rounding only
+
+
+def _check_against_reference(results, case, optimizer, world_size, steps=STEPS):
+    ref_loss, ref_out, ref_losses, _ = w.reference(case, optimizer, "float64", steps)
+    # Every case's loss is a mean over rows, so the ranks' mean is the global batch's
+    # (eval-mode BatchNorm couples no rows).
+    assert sum(r[0] for r in results) / world_size == pytest.approx(ref_loss, rel=TOLERANCE)
+    torch.testing.assert_close(torch.cat([r[1] for r in results]), ref_out, rtol=TOLERANCE, atol=1e-12)
+    for rank, (_loss, _out, schedule, checks, losses) in enumerate(results):
+        assert checks["same_tensors"] and checks["state_unchanged"] and checks["cached"], rank
+        assert all(checks["training"]), "evaluation leaves the module in training mode"
+    # Training goes on from the same state after evaluating.
+    if results[0][4]:
+        assert sum(r[4][-1] for r in results) / world_size == pytest.approx(ref_losses[-1], rel=1e-9)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("case", ["gpt_tiny", "convnet_bn", "llama_tiny"])
+def test_evaluation_matches_one_process_in_eval_mode(run_on, case, world_size):
+    results = run_on(world_size, w.train_then_evaluate, case, "adamw", "float64", STEPS)
+    _check_against_reference(results, case, "adamw", world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_evaluation_turns_dropout_off(run_on, world_size):
+    """Untrained (training draws other masks than torch's), so only evaluation's dropout is in question."""
+    results = run_on(world_size, w.train_then_evaluate, "mlp_dropout", "sgd", "float64", 0, None, False)
+    _check_against_reference(results, "mlp_dropout", "sgd", world_size, steps=0)
+    ref_loss, _, _, train_mode_loss = w.reference("mlp_dropout", "sgd", "float64", 0)
+    assert abs(train_mode_loss - ref_loss) > 1e-3  # dropout on would have given another loss
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_evaluation_under_every_strategy(run_on, world_size):
+    strategies = [("blocks.0", "zero2"), ("blocks.1", "zero1"), ("*", "ddp")]
+    results = run_on(world_size, w.train_then_evaluate, "gpt_tiny", "sgd", "float64", STEPS, strategies)
+    _check_against_reference(results, "gpt_tiny", "sgd", world_size)
+    schedule = results[0][2]
+    gathered = {op["flat"] for op in schedule["ops"] if op["kind"] == "all_gather"}
+    by_unit = {f["unit"]: f for f in schedule["flats"]}
+    assert gathered == {by_unit["blocks.0"]["name"]}  # ZERO1 and DDP units are whole on every rank
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_evaluation_schedule_is_forward_only(world_size):
+    case = CASES["gpt_tiny"]
+    model = case.build(torch.float64)
+    batch = split_batch(case.make_batch(0, torch.float64), world_size, 0)
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=world_size), units=case.units)
+    evaluation = sl.plan(model, case.loss_fn, spec, example_batch=batch, world_size=world_size, evaluate=True)
+    training = sl.plan(model, case.loss_fn, spec, example_batch=batch, world_size=world_size)
+    schedule = evaluation.schedule
+    assert schedule.is_evaluation and not training.schedule.is_evaluation
+    assert {op.phase for op in schedule.ops} == {"forward"}
+    kinds = [op.kind for op in schedule.ops]
+    assert OpKind.REDUCE_SCATTER not in kinds and OpKind.ALL_REDUCE not in kinds and OpKind.OPTIMIZER not in kinds
+    gathers = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER]
+    frees = [op.flat for op in schedule.ops if op.kind is OpKind.FREE]
+    assert sorted(gathers) == sorted(frees) == sorted(f.name for f in evaluation.flats)
+    # The same flat parameters as training's, and the forward's bytes: each unit once.
+    assert [f.name for f in evaluation.flats] == [f.name for f in training.flats]
+    assert schedule.summary.bytes_per_rank["all_gather"] == sum(f.padded_bytes for f in schedule.flats)
+    # Only the state's parameters and buffers, then the batch: no optimizer state, step or lr.
+    assert {i.role.value for i in evaluation.context.inputs} == {"flat", "batch"}
+    # Its memory peak is below training's: no gradients, no activations kept for backward.
+    assert evaluation.memory.peak < training.memory.peak
+
+
+def test_verify_rejects_training_ops_in_an_evaluation_schedule():
+    case = CASES["mlp"]
+    model = case.build(torch.float64)
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=2))
+    batch = split_batch(case.make_batch(0, torch.float64), 2, 0)
+    training = sl.plan(model, case.loss_fn, spec, example_batch=batch, world_size=2).schedule
+    marked = Schedule(training.world_size, training.mesh, training.flats, training.ops,
+                      {**training.options, "evaluate": True})
+    with pytest.raises(sl.ScheduleError, match="evaluation is forward only"):
+        verify(marked)
+
+
+def test_evaluating_a_non_tensor_is_a_clear_error():
+    case = CASES["mlp"]
+    model = case.build(torch.float64)
+    batch = case.make_batch(0, torch.float64)
+    step = sl.compile(model, case.loss_fn, sl.Spec(mesh=sl.Mesh(fsdp=1)), example_batch=batch)
+    with pytest.raises(sl.TraceError, match="must return a tensor or a tuple/list/dict of tensors; it returned float"):
+        step.evaluate(batch, fn=lambda m, b: 1.0)
