@@ -30,7 +30,8 @@ positions, not held in a buffer: the model has no buffers at all.
 The data is the synthetic counting streams of ``examples/gpt.py``: each sequence
 counts upward from a random start with a stride of 1, 2 or 3 (mod the vocabulary),
 with one token in ten replaced by noise, so the tiny model's loss falls within a few
-dozen steps.
+dozen steps. ``make_eval_batch`` is a fixed held-out batch of the same streams, for
+``shardlang run examples/llama.py --nproc 2 --steps 30 --eval-every 10``.
 """
 
 from __future__ import annotations
@@ -251,6 +252,14 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def make_batch(step: int) -> torch.Tensor:
     """The global batch for ``step``: ``(GLOBAL_BATCH, max_seq_len + 1)`` int64 tokens."""
     return make_tokens(step, GLOBAL_BATCH, CONFIG.max_seq_len, CONFIG.vocab_size)
+
+
+VALIDATION_SEED = 1_000_000  # far from every training step's seed
+
+
+def make_eval_batch(step: int) -> torch.Tensor:
+    """The validation batch for ``shardlang run --eval-every K``: the same held-out streams whatever ``step``."""
+    return make_tokens(VALIDATION_SEED, GLOBAL_BATCH, CONFIG.max_seq_len, CONFIG.vocab_size)
 
 
 spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))],

@@ -34,6 +34,7 @@ from .compiler.compile import CompiledStep
 from .compiler.emit import bind, group_keys
 from .compiler.evaluate import compile_eval
 from .compiler.schedule import Schedule
+from .errors import ShardlangRuntimeError
 from .runtime.dist import DistContext
 from .runtime.groups import mesh_groups
 from .state import TrainState
@@ -97,20 +98,28 @@ class Evaluations:
         self.training = training
         self._bound: dict[tuple, Evaluation] = {}
 
+    def has(self, batch, fn: Callable | None) -> bool:
+        """Whether the graph for ``fn`` and ``batch``'s shapes is compiled."""
+        return self._key(batch, fn or self.loss_fn) in self._bound
+
     def get(self, batch, fn: Callable | None, state: TrainState, ctx: DistContext,
             coordinate: dict[str, int]) -> Evaluation:
+        """The bound graph for ``fn`` (default: the loss) and ``batch``'s shapes, compiled on first use."""
         fn = fn or self.loss_fn
         if fn is None:
-            from .errors import ShardlangRuntimeError
-
             raise ShardlangRuntimeError("this step was made without a loss function; pass evaluate(batch, fn=...) "
                                         "with fn(model, batch) returning what to compute")
-        leaves, spec = pytree.tree_flatten(batch)
-        key = (fn, spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
-                               for t in leaves))
+        key = self._key(batch, fn)
         evaluation = self._bound.get(key)
         if evaluation is None:
             context = self.training.context
             compiled = compile_eval(self.module, fn, context.flats, context.mesh, batch, prefetch=context.prefetch)
             evaluation = self._bound[key] = Evaluation(compiled, state, ctx, coordinate)
         return evaluation
+
+    @staticmethod
+    def _key(batch, fn: Callable | None) -> tuple:
+        """One graph per function object and per-rank batch structure, shapes and dtypes."""
+        leaves, spec = pytree.tree_flatten(batch)
+        return (fn, spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                                for t in leaves))

@@ -9,6 +9,7 @@ A job file defines these module-level names (docs/cli.md, "Job files")::
     optimizer = sl.AdamW(lr=1e-3)                    # optional (this is the default)
     dtype = torch.float32                            # optional: convert the model and floating batch leaves
     lr_schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)   # optional (docs/training.md)
+    def make_eval_batch(step: int): ...              # optional: the GLOBAL validation batch (`run --eval-every`)
     def init_weights(module) -> None: ...            # optional: initialise a meta-built model's modules
     weights = "checkpoints/model"                    # optional: safetensors file or HF checkpoint directory
 
@@ -100,6 +101,7 @@ class Job:
     lr_schedule: Callable | None = None  # torch optimizer -> LRScheduler (`shardlang.lr`)
     init_weights: Callable[[torch.nn.Module], None] | None = None  # `shardlang.materialize.Init`
     weights: Path | None = None  # pretrained weights (`shardlang.weights`), resolved against the job's directory
+    make_eval_batch: Callable[[int], Any] | None = None  # the global validation batch after `step` steps
 
 
 def load_job(path: str | Path) -> Job:
@@ -175,7 +177,7 @@ def build_reference(job: Job, seed: int = 0, dtype: torch.dtype | None = None,
     return model
 
 
-def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
+def global_batch(job: Job, step: int, dtype: torch.dtype | None = None, evaluation: bool = False):
     """``job.make_batch(step)`` with its floating-point leaves converted to ``dtype`` (default: the job's).
 
     Integer leaves (token ids, class labels) are left alone.
@@ -184,7 +186,7 @@ def global_batch(job: Job, step: int, dtype: torch.dtype | None = None):
 
         x, y = global_batch(load_job("examples/mlp.py"), 0, torch.float64)
     """
-    batch = _call(job, "make_batch", step)
+    batch = _call(job, "make_eval_batch" if evaluation else "make_batch", step)
     dtype = dtype or job.dtype
     if dtype is None:
         return batch
@@ -302,8 +304,11 @@ def _job_from_module(module, file: Path, shown: str) -> Job:
             raise SpecError(f"job file {shown!r}: weights is {_short(weights)}; expected the path of a safetensors "
                             "file or of a Hugging Face checkpoint directory, e.g. weights = 'checkpoints/gpt'")
         weights = file.parent / Path(weights).expanduser()
+    make_eval_batch = getattr(module, "make_eval_batch", None)
+    if make_eval_batch is not None:
+        _check_function(make_eval_batch, "make_eval_batch", 1, "def make_eval_batch(step: int)", shown)
     return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype, lr_schedule,
-               init_weights, weights)
+               init_weights, weights, make_eval_batch)
 
 
 def _check_function(value, name: str, nargs: int, form: str, shown: str) -> None:

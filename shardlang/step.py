@@ -152,6 +152,10 @@ class Step:
                                         "needs the module's structure: make the step with sl.compile")
         return self._evaluations.get(batch, fn, self.state, self.dist, self._mesh_coordinate())
 
+    def has_evaluation(self, batch, fn=None) -> bool:
+        """Whether the evaluation graph for ``fn`` and ``batch``'s shapes is compiled already."""
+        return self._evaluations is not None and self._evaluations.has(batch, fn)
+
     @property
     def _graph(self) -> torch.fx.GraphModule:
         """The bound graph of the first batch shape; profilers and benchmarks swap it for an instrumented one."""

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,8 @@ import evaluate_workers as w
 import shardlang as sl
 from models import CASES
 from shardlang.batch import split_batch
+from shardlang.cli import main
+from shardlang.job import build, load_job
 from shardlang.compiler.schedule import OpKind, Schedule
 from shardlang.compiler.verify import verify
 
@@ -102,3 +107,49 @@ def test_evaluating_a_non_tensor_is_a_clear_error():
     step = sl.compile(model, case.loss_fn, sl.Spec(mesh=sl.Mesh(fsdp=1)), example_batch=batch)
     with pytest.raises(sl.TraceError, match="must return a tensor or a tuple/list/dict of tensors; it returned float"):
         step.evaluate(batch, fn=lambda m, b: 1.0)
+
+
+# ---- the command line ------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LLAMA = str(EXAMPLES / "llama.py")
+
+
+def test_plan_eval_shows_the_evaluation_schedule(capsys):
+    assert main(["plan", LLAMA, "--world", "4", "--eval"]) == 0
+    out = capsys.readouterr().out
+    assert "world 4, evaluation (forward only)" in out
+    assert "evaluation schedule (forward only): world 4" in out
+    assert "= none: evaluation has no gradients" in out
+    assert main(["plan", LLAMA, "--world", "4", "--eval", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["options"]["evaluate"] is True and plan["collectives"]["reduce_scatter"] == 0
+    assert {op["phase"] for op in plan["ops"]} == {"forward"}
+
+
+def test_run_eval_every_prints_the_validation_loss(capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_SIZE", raising=False)
+    assert main(["run", LLAMA, "--steps", "2", "--eval-every", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "val loss" in line]
+    assert [line.split()[:4] for line in lines] == [["step", "1", "val", "loss"], ["step", "2", "val", "loss"]]
+    assert "(compiled the evaluation)" in lines[0] and "compiled" not in lines[1]
+    # The printed number is Step.evaluate's on make_eval_batch, after that many steps.
+    job = load_job(LLAMA)
+    step = sl.compile(build(job, 0), job.loss_fn, job.spec, optimizer=job.optimizer,
+                      example_batch=job.make_batch(0))
+    for k in range(2):
+        step(job.make_batch(k))
+    assert float(lines[1].split()[4]) == pytest.approx(float(step.evaluate(job.make_eval_batch(2))), abs=1e-6)
+
+
+def test_eval_every_needs_make_eval_batch(capsys):
+    assert main(["run", str(EXAMPLES / "gpt.py"), "--steps", "2", "--eval-every", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt.py defines no make_eval_batch" in err and "def make_eval_batch(step: int)" in err
+
+
+def test_make_eval_batch_must_take_a_step(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text((EXAMPLES / "mlp.py").read_text() + "\n\ndef make_eval_batch():\n    return None\n")
+    with pytest.raises(sl.SpecError, match=r"make_eval_batch\(\) cannot be called with 1 positional argument"):
+        load_job(job)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import parity
 import shardlang as sl
-from models import load_llama_module
+from models import EXAMPLES, load_llama_module
 from shardlang.cli import main
 
 STEPS = 3
@@ -118,6 +118,6 @@ def test_plan_of_a_70b_layer_at_1024_ranks(llama):
 
 def test_llama_size_is_checked(monkeypatch, capsys):
     monkeypatch.setenv("LLAMA_SIZE", "7b")
-    assert main(["plan", "examples/llama.py", "--world", "2"]) == 2
+    assert main(["plan", str(EXAMPLES / "llama.py"), "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "LLAMA_SIZE='7b'" in err and "tiny, 1b, 8b, 70b" in err

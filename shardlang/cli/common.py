@@ -27,12 +27,19 @@ def load_checked(path: str, world: int) -> Job:
     return job
 
 
-def split_for_rank(job: Job, batch, world: int, rank: int, step: int):
+def split_for_rank(job: Job, batch, world: int, rank: int, step: int, maker: str = "make_batch"):
     """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks; an error names the job and the step."""
     try:
         return split_batch(batch, world, rank)
     except ShardlangRuntimeError as exc:
-        raise ShardlangRuntimeError(f"{shown(job.path)}: make_batch({step}): {exc}") from exc
+        raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}({step}): {exc}") from exc
+
+
+def eval_example(job: Job, world: int, rank: int = 0):
+    """The per-rank batch an evaluation is compiled for: ``make_eval_batch(0)``'s, else ``make_batch(0)``'s."""
+    if job.make_eval_batch is None:
+        return split_for_rank(job, global_batch(job, 0), world, rank, 0)
+    return split_for_rank(job, global_batch(job, 0, evaluation=True), world, rank, 0, "make_eval_batch")
 
 
 def global_mean(loss: torch.Tensor, ctx: DistContext) -> float:

@@ -9,7 +9,9 @@ timeline as a Chrome trace, or memory over the schedule as a picture.
 `plan_job` is shared with ``shardlang diff``. ``--recompute PATTERN=POLICY``
 (repeatable) replaces the spec's recompute rules; ``--memory-budget`` sets
 ``Options.memory_budget``, and the plan then starts with what the budget search
-chose and why (docs/plan.md, "Recompute and the memory budget").
+chose and why (docs/plan.md, "Recompute and the memory budget"). With
+``--eval``, the plan of the step's evaluation (``Step.evaluate``: forward
+only, on ``make_eval_batch(0)``'s shapes when the job defines it).
 
 Example::
 
@@ -28,7 +30,7 @@ from .. import api
 from ..compiler import cost
 from ..job import build, global_batch, load_job
 from .args import add_model_arguments, byte_size, cost_model, nonnegative_int, output_file, positive, recompute_rule
-from .common import shown, split_for_rank
+from .common import eval_example, shown, split_for_rank
 
 
 def add_parser(subparsers) -> None:
@@ -41,6 +43,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch-step", metavar="K", type=nonnegative_int("a step"), default=0,
                         help="plan for the shape of make_batch(K)'s per-rank batch (default 0); the collectives are "
                              "the same for every shape, memory and time are not")
+    parser.add_argument("--eval", action="store_true",
+                        help="plan the evaluation step instead (forward only, eval mode; on make_eval_batch(0)'s "
+                             "shapes when the job defines it)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (only that)")
     parser.add_argument("--chrome-trace", metavar="PATH", type=output_file, default=None,
                         help="write the predicted timeline (compute, all-gather, reduce-scatter lanes, memory counter) "
@@ -65,27 +70,29 @@ def main(args) -> int:
     model = cost_model(args)
     with quiet:
         job, plan = plan_job(args.file, args.world, model, memory_budget=args.memory_budget,
-                             recompute=args.recompute, batch_step=args.batch_step)
+                             recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval)
         _write_pictures(args, plan)
     if args.json:
         stdout.write(plan.to_json(indent=2) + "\n")
         stdout.flush()
         return 0
     shapes = " ".join(str(tuple(t.shape)) for t in plan_example_leaves(job, args.world, args.batch_step))
-    print(f"shardlang plan {shown(job.path)}: world {args.world}, optimizer {job.optimizer!r}, "
+    what = "evaluation (forward only)" if args.eval else f"optimizer {job.optimizer!r}"
+    print(f"shardlang plan {shown(job.path)}: world {args.world}, {what}, "
           f"per-rank batch of step {args.batch_step}: {shapes}\n")
     print(plan.report())
     return 0
 
 
 def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None = None, recompute=None,
-             batch_step: int = 0):
+             batch_step: int = 0, evaluate: bool = False):
     """Plan a job file for ``world`` ranks with fake tensors, for the batch of ``batch_step``: (job, `Plan`).
 
     ``memory_budget`` and ``recompute`` (a list of ``(pattern, policy)``)
     override the job's spec when given. With a memory budget the plan of step
     K searches for K's shape; a running step keeps what its first batch chose
-    (Note [same collectives for every shape] in `shardlang.variants`).
+    (Note [same collectives for every shape] in `shardlang.variants`). With ``evaluate``, the plan
+    of the step's evaluation, on ``make_eval_batch(0)``'s shapes when the job defines it.
     """
     from ..compiler.plan_report import make_plan
 
@@ -95,13 +102,16 @@ def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None 
         spec = attrs.evolve(spec, recompute=recompute)
     if memory_budget is not None:
         spec = attrs.evolve(spec, options=attrs.evolve(spec.options, memory_budget=memory_budget))
-    return job, make_plan(_plan(job, spec, world, batch_step), cost_model=model)
+    return job, make_plan(_plan(job, spec, world, batch_step, evaluate), cost_model=model)
 
 
-def _plan(job, spec, world: int, batch_step: int):
-    example = split_for_rank(job, global_batch(job, batch_step), world, 0, batch_step)
+def _plan(job, spec, world: int, batch_step: int, evaluate: bool = False):
+    if evaluate:
+        example = eval_example(job, world)
+    else:
+        example = split_for_rank(job, global_batch(job, batch_step), world, 0, batch_step)
     return api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
-                    world_size=world)
+                    world_size=world, evaluate=evaluate)
 
 
 def plan_example_leaves(job, world: int, batch_step: int) -> list:

@@ -16,6 +16,9 @@ complete checkpoint in D and goes on from there to ``--steps`` (docs/checkpoints
 ``--timeout`` bounds each collective's wait for late peers; the error then names
 the late rank and the schedule op (Note [collective timeout] in
 `shardlang.runtime.watch`).
+With ``--eval-every K``, every K steps rank 0 also prints the validation loss
+on the job's ``make_eval_batch(steps done)``, from the step's evaluation graph
+(`Step.evaluate`: forward only, eval mode, on the training state).
 
 Example::
 
@@ -46,7 +49,7 @@ from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_
 from ..runtime.launcher import launch
 from ..runtime.peak_memory import MIB, PeakMemory
 from .args import output_file, positive, seconds
-from .common import load_checked, shown, split_for_rank, threads_per_rank
+from .common import eval_example, global_mean, load_checked, shown, split_for_rank, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
 TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
@@ -84,6 +87,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--metrics", metavar="PATH", type=output_file, default=None,
                         help="write one JSON line per logged step to PATH: loss, step time, throughput, peak "
                              "memory per rank, ETA (docs/cli.md, 'Metrics')")
+    parser.add_argument("--eval-every", metavar="K", type=positive("a number of steps"), default=None,
+                        help="every K steps, print the validation loss on the job's make_eval_batch(step) "
+                             "(forward only, eval mode)")
     saving = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
     saving.add_argument("--checkpoint-dir", metavar="D", default=None,
                         help="save checkpoints into D/step-<k> (after the last step, and every --checkpoint-every)")
@@ -134,24 +140,27 @@ def main(args) -> int:
         if args.nproc is not None and args.nproc != world:
             raise SpecError(f"--nproc {args.nproc} disagrees with WORLD_SIZE={world} set by torchrun; "
                             "drop --nproc or make them equal")
-        job = load_checked(args.file, world)
+        job = _load(args, world)
         checkpoints = Checkpointing.from_args(args)
         ctx = init_from_env(timeout_s=args.timeout)
         try:
-            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights, _progress(args))
+            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights, _progress(args),
+                   args.eval_every)
         finally:
             shutdown()
         return 0
     nproc = args.nproc or 1
-    job = load_checked(args.file, nproc)
+    job = _load(args, nproc)
     checkpoints = Checkpointing.from_args(args)
     trace = str(Path(args.trace).resolve()) if args.trace else None
     weights = str(Path(args.weights).resolve()) if args.weights else None
     progress = _progress(args)
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights, progress)
+        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights, progress,
+               args.eval_every)
     else:
         launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights, progress,
+               args.eval_every,
                timeout=None, threads=threads_per_rank(nproc), prefix_output=False,
                collective_timeout=args.timeout)
     return 0
@@ -162,16 +171,28 @@ def _progress(args) -> ProgressOptions:
     return ProgressOptions(log_every=args.log_every, metrics=str(Path(args.metrics).resolve()) if args.metrics else None)
 
 
+def _load(args, world: int) -> Job:
+    """The job, with its first batches checked, and ``make_eval_batch`` when ``--eval-every`` needs it."""
+    job = load_checked(args.file, world)
+    if args.eval_every is not None:
+        if job.make_eval_batch is None:
+            raise SpecError(f"--eval-every {args.eval_every}: job file {shown(job.path)} defines no make_eval_batch; "
+                            "add def make_eval_batch(step: int) returning the global validation batch "
+                            "(docs/cli.md, \"Job files\")")
+        eval_example(job, world)
+    return job
+
+
 def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
               checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
-              progress: ProgressOptions = ProgressOptions()) -> None:
+              progress: ProgressOptions = ProgressOptions(), eval_every: int | None = None) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights, progress)
+    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights, progress, eval_every)
 
 
 def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None,
            checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
-           progress: ProgressOptions = ProgressOptions()) -> None:
+           progress: ProgressOptions = ProgressOptions(), eval_every: int | None = None) -> None:
     """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
@@ -230,6 +251,8 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
             saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
             if saved is not None:
                 say(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
+        if eval_every is not None and (k + 1) % eval_every == 0:
+            _evaluate(step, job, k + 1, ctx, say)
     tracing.close()
     reporter.close()
     if periodic is not None:
@@ -253,6 +276,17 @@ def _max_over_ranks(values: tuple[int, int], ctx: DistContext) -> tuple[int, int
         dist.all_reduce(device_t, op=dist.ReduceOp.MAX)
         t = device_t.cpu()
     return int(t[0]), int(t[1])
+
+
+def _evaluate(step, job: Job, done: int, ctx: DistContext, say) -> None:
+    """Print the validation loss on ``make_eval_batch(done)``: the mean over ranks of their rows' losses."""
+    batch = split_for_rank(job, global_batch(job, done, evaluation=True), ctx.world_size, ctx.rank, done,
+                           "make_eval_batch")
+    first = not step.has_evaluation(batch)
+    begin = time.perf_counter()
+    loss = global_mean(step.evaluate(batch), ctx)
+    say(f"step {done}  val loss {loss:.6f}  time {(time.perf_counter() - begin) * 1e3:.1f} ms"
+        + ("  (compiled the evaluation)" if first else ""))
 
 
 def _printer(ctx: DistContext):
