@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -89,11 +90,35 @@ class Evaluation:
         return pytree.tree_unflatten(list(outputs), self.compiled.traced.output_spec)
 
 
+def structure_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device: its structure, no storage.
+
+    Tracing needs only the modules, the names and the shapes (the values come
+    from the state), and keeping the user's module would keep its full weights
+    alive after `compile`. Tied parameters stay tied (one meta tensor for one
+    original).
+
+    Example::
+
+        skeleton = structure_of(model)
+        next(skeleton.parameters()).is_meta    # True
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 class Evaluations:
-    """A step's evaluation graphs, compiled on first use, one per (function, per-rank batch shape)."""
+    """A step's evaluation graphs, compiled on first use, one per (function, per-rank batch shape).
+
+    ``module`` gives the model's structure only (`structure_of`): parameters and buffers come from the state.
+    """
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, training: CompiledStep):
-        self.module = module  # its structure only: parameters and buffers come from the state
+        self.module = module
         self.loss_fn = loss_fn
         self.training = training
         self._bound: dict[tuple, Evaluation] = {}

@@ -24,7 +24,7 @@ from .compiler.graph_utils import sl_tag
 from .compiler.optim import hyper_name
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError, SpecError
-from .evaluate import Evaluation, Evaluations
+from .evaluate import Evaluation, Evaluations, structure_of
 from .lr import LRSchedule
 from .ownership import reclaim
 from .random_state import StepRandom
@@ -76,7 +76,7 @@ class Step:
         self._skipped = torch.zeros((), dtype=torch.int64)  # steps skipped for a non-finite gradient norm
         if self.lr_schedule is not None:
             self._write_lrs(self.lr_schedule.lrs())
-        self._evaluations = Evaluations(model, loss_fn, compiled) if model is not None else None
+        self._evaluations = Evaluations(structure_of(model), loss_fn, compiled) if model is not None else None
 
     # The state's tensors, by the names the step has always had (Note [one state, many graphs]).
     @property

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,18 @@ def test_make_eval_batch_must_take_a_step(tmp_path):
     job.write_text((EXAMPLES / "mlp.py").read_text() + "\n\ndef make_eval_batch():\n    return None\n")
     with pytest.raises(sl.SpecError, match=r"make_eval_batch\(\) cannot be called with 1 positional argument"):
         load_job(job)
+
+
+def test_evaluation_keeps_no_reference_to_the_users_weights():
+    """The step keeps the module's structure on meta, not its weights: deleting the model frees them."""
+    case = CASES["gpt_tiny"]
+    model = case.build(torch.float64)
+    batch = case.make_batch(0, torch.float64)
+    expected = case.build(torch.float64).eval()
+    step = sl.compile(model, case.loss_fn, sl.Spec(mesh=sl.Mesh(fsdp=1)), example_batch=batch)
+    weight = weakref.ref(model.tok_emb.weight)
+    del model
+    gc.collect()
+    assert weight() is None
+    with torch.no_grad():
+        assert float(step.evaluate(batch)) == pytest.approx(float(case.loss_fn(expected, batch)), rel=1e-12)
