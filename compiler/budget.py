@@ -186,7 +186,8 @@ def _least_k(peak_at: Callable[[int], Candidate], n: int, budget: int) -> int | 
 
 def _no_fit(budget: int, leanest: Candidate, hints: list[str]) -> str:
     lines = [f"Options.memory_budget={human_bytes(budget)} per rank: no configuration fits. The leanest, "
-             f"{leanest.describe()}, plans {human_bytes(leanest.peak)}: {human_bytes(leanest.peak - budget)} over"]
+             f"{leanest.describe()}, has a planned peak of {human_bytes(leanest.peak)}: "
+             f"{human_bytes(leanest.peak - budget)} over"]
     if hints:
         lines.append("what would fit: " + "; ".join(hints))
     return "\n".join(lines)

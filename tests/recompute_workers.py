@@ -38,7 +38,7 @@ def dropout_gpt() -> nn.Module:
     gpt = models.load_gpt_module()
     model = gpt.make_gpt(**models.GPT_TINY)
     model.blocks = nn.ModuleList(DropoutBlock(model.config) for _ in range(model.config.n_layer))
-    model.apply(model._init_weights)
+    model.apply(gpt.init_weights)
     return model
 
 

@@ -214,7 +214,7 @@ def test_memory_budget_that_nothing_fits_says_by_how_much_and_what_would():
     full = _plan(recompute=[("blocks.*", "full")], prefetch=0)
     budget = full.memory.peak - 16 * 1024
     with pytest.raises(sl.SpecError, match=r"no configuration fits\. The leanest, recompute full on blocks.0, "
-                                           r"blocks.1, prefetch \d, plans .* over\nwhat would fit: about \d+ ranks"):
+                                           r"blocks.1, prefetch \d, has a planned peak of .* over\nwhat would fit: about \d+ ranks"):
         _plan(memory_budget=budget)
 
 
