@@ -30,7 +30,7 @@ import attrs
 from shardlang.compiler.errors import SpecError
 from shardlang.compiler.placement import Recompute
 
-__all__ = ["Recompute", "RecomputeRule", "first_recompute", "recompute_rule_from_dict", "to_policy", "to_recompute"]
+__all__ = ["Recompute", "RecomputeRule", "recompute_rule_from_dict", "to_policy", "to_recompute"]
 
 _EXAMPLE = "('blocks.*', 'full')"
 _KEYS = ("pattern", "policy")
@@ -147,11 +147,3 @@ def recompute_rule_from_dict(d: object, where: str) -> RecomputeRule:
             raise SpecError(f"{where}: missing key {key!r}; a recompute rule is a table such as {example}")
     (rule,) = to_recompute([(d["pattern"], to_policy(d["policy"], where))])
     return rule
-
-
-def first_recompute(rules: Sequence[RecomputeRule], unit_label: str) -> int | None:
-    """The index of the first rule matching a unit's label, or None."""
-    for i, rule in enumerate(rules):
-        if rule.matches(unit_label):
-            return i
-    return None

@@ -35,8 +35,8 @@ from shardlang.precision import MixedPrecision
 from shardlang.compiler.backend import StepBackend
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang import training
-from shardlang.recompute import RecomputeRule, first_recompute, recompute_rule_from_dict, to_recompute
-from shardlang.strategy import StrategyRule, first_strategy, strategy_repr, strategy_rule_from_dict, to_strategies
+from shardlang.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
+from shardlang.strategy import StrategyRule, strategy_repr, strategy_rule_from_dict, to_strategies
 from shardlang.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
@@ -375,48 +375,12 @@ class Spec:
     def _unit_strategies(self, units: frozenset[str]) -> dict[str, Strategy]:
         """Each unit's strategy (first matching strategy rule, else the default); checks every rule decides one."""
         default = Strategy.ZERO3 if self.options.reshard_after_forward else Strategy.ZERO2
-        labels = [ROOT_UNIT, *sorted(units)]
-        if not self.strategies:
-            return {unit: default for unit in labels}
-        winners = {unit: first_strategy(self.strategies, unit_label(unit)) for unit in labels}
-        for i, rule in enumerate(self.strategies):
-            if i in winners.values():
-                continue
-            matched = [unit_label(u) for u in labels if rule.matches(unit_label(u))]
-            if not matched:
-                raise SpecError(
-                    f"strategies[{i}] = {rule!r} matches no unit; strategy patterns match whole unit names "
-                    f"such as {_some([unit_label(u) for u in labels])} (units are modules; see units=)"
-                )
-            earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
-            raise SpecError(
-                f"strategies[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
-                f"an earlier rule ({', '.join(f'strategies[{j}] = {self.strategies[j]!r}' for j in earlier)}); "
-                "the first match wins, so move it before them or remove it"
-            )
+        winners = _first_rule_per_unit(self.strategies, "strategies", units)
         return {unit: default if i is None else self.strategies[i].strategy for unit, i in winners.items()}
 
     def _unit_recompute(self, units: frozenset[str]) -> dict[str, Recompute]:
         """Each unit's recompute policy (first matching rule, else NONE); checks every rule decides one."""
-        labels = [ROOT_UNIT, *sorted(units)]
-        if not self.recompute:
-            return {unit: Recompute.NONE for unit in labels}
-        winners = {unit: first_recompute(self.recompute, unit_label(unit)) for unit in labels}
-        for i, rule in enumerate(self.recompute):
-            if i in winners.values():
-                continue
-            matched = [unit_label(u) for u in labels if rule.matches(unit_label(u))]
-            if not matched:
-                raise SpecError(
-                    f"recompute[{i}] = {rule!r} matches no unit; recompute patterns match whole unit names "
-                    f"such as {_some([unit_label(u) for u in labels])} (units are modules; see units=)"
-                )
-            earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
-            raise SpecError(
-                f"recompute[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
-                f"an earlier rule ({', '.join(f'recompute[{j}] = {self.recompute[j]!r}' for j in earlier)}); "
-                "the first match wins, so move it before them or remove it"
-            )
+        winners = _first_rule_per_unit(self.recompute, "recompute", units)
         return {unit: Recompute.NONE if i is None else self.recompute[i].policy for unit, i in winners.items()}
 
     def _check_no_failed_placements(self, failures: list[tuple[int, str, SpecError]]) -> None:
@@ -582,3 +546,34 @@ def _to_toml(d: dict[str, object], table: str | None) -> str:
         else:
             head.append(f"{key} = {_toml_value(value)}")
     return "\n".join(head + body).strip("\n") + "\n"
+
+
+_RULE_NOUN = {"strategies": "strategy", "recompute": "recompute"}
+
+
+def _first_rule_per_unit(rules, field: str, units: frozenset[str]) -> dict[str, int | None]:
+    """Each unit's first matching rule index in ``rules`` (the spec's ``field``), None where none matches.
+
+    Every rule must decide at least one unit: one that matches none, or only
+    units earlier rules took, is an error naming it (the first match wins).
+    """
+    labels = [ROOT_UNIT, *sorted(units)]
+    rules = rules or ()
+    winners = {unit: next((i for i, r in enumerate(rules) if r.matches(unit_label(unit))), None) for unit in labels}
+    for i, rule in enumerate(rules):
+        if i in winners.values():
+            continue
+        matched = [unit_label(u) for u in labels if rule.matches(unit_label(u))]
+        if not matched:
+            raise SpecError(
+                f"{field}[{i}] = {rule!r} matches no unit; {_RULE_NOUN[field]} "
+                f"patterns match whole unit names such as {_some([unit_label(u) for u in labels])} "
+                "(units are modules; see units=)"
+            )
+        earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
+        raise SpecError(
+            f"{field}[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
+            f"an earlier rule ({', '.join(f'{field}[{j}] = {rules[j]!r}' for j in earlier)}); "
+            "the first match wins, so move it before them or remove it"
+        )
+    return winners

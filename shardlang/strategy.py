@@ -176,11 +176,3 @@ def strategy_rule_from_dict(d: object, where: str) -> StrategyRule:
                             "{pattern = 'blocks.*', strategy = 'zero3'}")
     (rule,) = to_strategies([(d["pattern"], to_strategy(d["strategy"], where))])
     return rule
-
-
-def first_strategy(rules: Sequence[StrategyRule], unit_label: str) -> int | None:
-    """The index of the first rule matching a unit's label, or None."""
-    for i, rule in enumerate(rules):
-        if rule.matches(unit_label):
-            return i
-    return None
