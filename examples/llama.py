@@ -239,8 +239,13 @@ GLOBAL_BATCH = batch_from_env(SIZE)
 
 
 def build_model() -> Llama:
-    """The Llama of ``LLAMA_SIZE`` (default tiny)."""
-    return Llama(CONFIG)
+    """The Llama of ``LLAMA_SIZE`` (default tiny), built on the meta device.
+
+    No rank ever holds it whole: shardlang materialises it one unit at a time,
+    through each module's ``reset_parameters()`` (docs/large_models.md).
+    """
+    with torch.device("meta"):
+        return Llama(CONFIG)
 
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
