@@ -260,7 +260,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
                             data_parallel_size, training, tied_parameters(model) if tied is None else tied)
     with tracing_sites(model) as sites:
         try:
-            with fx_traceback.preserve_node_meta(), _annotate_units(model, {f.unit for f in flats}):
+            with fx_traceback.preserve_node_meta(), _annotate_units(model, {m.info.unit for f in flats for m in f.members}):
                 gm = make_fx(step_fn, tracing_mode="fake")(*example)
         except TraceError:
             raise
