@@ -31,6 +31,7 @@ import torch
 
 from ..compiler.flat import FlatParam
 from ..compiler.optim import SGD, Adam, AdamW, hyper_name
+from ..compiler.trace import tied_parameters
 from .layout import Entry, optimizer_pieces, parameter_pieces
 
 FORMAT = 1
@@ -54,16 +55,9 @@ class ModelNames:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelNames:
-        first: dict[int, str] = {}
-        aliases = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in first:
-                aliases[name] = first[id(p)]
-            else:
-                first[id(p)] = name
         keys = set(model.state_dict(keep_vars=True))
         buffers = tuple(n for n, _ in model.named_buffers() if n in keys)
-        return cls(tuple(first.values()), aliases, buffers)
+        return cls(tuple(n for n, _ in model.named_parameters()), tied_parameters(model), buffers)
 
     @classmethod
     def of_flats(cls, flats: tuple[FlatParam, ...], buffer_names: list[str]) -> ModelNames:
