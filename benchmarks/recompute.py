@@ -79,15 +79,18 @@ class _Sampler(fx.Interpreter):
         return result
 
 
+def _fresh_gpt(settings: Settings) -> torch.nn.Module:
+    """The same weights for every policy: a compiled step takes its model's weights, so each gets its own."""
+    torch.manual_seed(0)
+    return make_gpt(**settings.config())
+
+
 def measure_rank(ctx, settings: Settings) -> dict:
     """On one rank: the measured peak of one step per policy, and the interleaved step times."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = make_gpt(**settings.config())
     batch = settings.batch(0, ctx.rank)
-    steps = {p: sl.compile(model, lm_loss, settings.spec(p), optimizer=sl.AdamW(lr=1e-4), example_batch=batch,
-                           dist_context=ctx) for p in POLICIES}
-    del model
+    steps = {p: sl.compile(_fresh_gpt(settings), lm_loss, settings.spec(p), optimizer=sl.AdamW(lr=1e-4),
+                           example_batch=batch, dist_context=ctx) for p in POLICIES}
     peaks = {}
     for policy, step in steps.items():
         step(batch)  # warm up: lazy initialisation happens here, not in the sample

@@ -57,3 +57,16 @@ def test_checkpoint_benchmark_measures_both_systems(tmp_path):
     for r in modes.values():
         assert r["bytes"] > 0 and all(len(r[k]) == 1 and r[k][0] > 0 for k in ("save_s", "load_s", "async_steps_s"))
     assert "| shardlang |" in done.stdout and "| fsdp2 |" in done.stdout
+
+
+def test_recompute_benchmark_measures_both_policies(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.recompute", "--size", "tiny", "--world", "2", "--seq-len", "32",
+               "--global-batch", "4", "--reps", "1", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "recompute.json").read_text())
+    assert set(result["rows"]) == {"none", "full"}
+    for row in result["rows"].values():
+        assert row["measured_peak"] > 0 and row["planned_peak"] > 0 and len(row["step_s"]) == 1
+    # Full recompute keeps fewer activations than none, in the plan.
+    assert result["rows"]["full"]["activations_at_peak"] < result["rows"]["none"]["activations_at_peak"]
