@@ -22,12 +22,14 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from multiprocessing import connection
 from typing import Any
 
 import attrs
 import torch
+import tqdm
 
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_process_group, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path
@@ -83,6 +85,10 @@ def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Con
 def _setup_process(rank: int, config: WorkerConfig) -> None:
     """Threads, output prefixes, Ctrl-C handling and the stack dump signal for one worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock holds a multiprocessing semaphore (torch.fx's Interpreter makes a bar even when it
+    # is off), and a rank ends with os._exit, which never unlinks it: the parent would warn of leaked
+    # semaphores. Ranks write through their own streams, so a thread lock serves.
+    tqdm.tqdm.set_lock(threading.RLock())
     if config.threads is not None:
         _limit_threads(config.threads)
     if config.prefix_output:
