@@ -64,7 +64,7 @@ class BertConfig:
     n_head: int = 2
     n_embd: int = 32
     mlp_ratio: int = 4
-    dtype: torch.dtype = torch.float64  # built in it (a job-level `dtype` would convert a tied model under plan's fake mode)
+    dtype: torch.dtype = torch.float64
 
 
 class SelfAttention(nn.Module):

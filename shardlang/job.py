@@ -46,7 +46,7 @@ from .compiler.optim import SGD, Adam, AdamW
 from .errors import ShardlangError, SpecError
 from .materialize import Init, has_meta, materialize_module
 from .mesh import Mesh
-from .ownership import meta_to_dtype
+from .ownership import convert_floating
 from .spec import Spec
 
 JOB_FORM = """\
@@ -142,11 +142,9 @@ def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn
     if not isinstance(model, torch.nn.Module):
         raise SpecError(f"build_model() in {job.path} returned {type(model).__name__}, not a torch.nn.Module; "
                         f"expected: {_FUNCTIONS['build_model'][1]}")
-    dtype = dtype or job.dtype
-    if dtype is not None and has_meta(model):
-        meta_to_dtype(model, dtype)
-        return model
-    return model.to(dtype) if dtype is not None else model
+    if dtype or job.dtype:
+        convert_floating(model, dtype or job.dtype)
+    return model
 
 
 def init_of(job: Job, seed: int = 0, weights: str | Path | None = None) -> Init:

@@ -71,14 +71,14 @@ def reclaim(model: nn.Module, device: torch.device | str = "cpu") -> None:
         object.__setattr__(model, _GUARD, None)
 
 
-def meta_to_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Convert ``model``'s floating meta tensors to ``dtype`` in place, ties kept.
+def convert_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Convert ``model``'s floating parameters and buffers to ``dtype`` in place, ties kept.
 
-    What ``model.to(dtype)`` does, without the tensor swap that fails on
-    meta tensors made under a fake mode (``plan`` builds there).
+    What ``model.to(dtype)`` does, without its tensor swap, which fails on a
+    tied parameter made under a fake mode (``plan`` builds there) and on meta
+    tensors made under one.
     """
-    _replace(model, lambda t: torch.empty(t.shape, dtype=dtype, device="meta"),
-             lambda t: t.is_meta and t.is_floating_point())
+    _replace(model, lambda t: t.to(dtype), lambda t: t.is_floating_point())
 
 
 def is_released(model: nn.Module) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from unittest import mock
 
 import pytest
@@ -283,4 +284,32 @@ def test_plan_and_check_take_a_meta_job_with_a_dtype(tmp_path, capsys):
         "optimizer = sl.SGD(lr=0.1)\n")
     assert main(["plan", str(job), "--world", "2"]) == 0
     assert main(["check", str(job), "--world-sizes", "1"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_a_job_dtype_keeps_tied_weights_tied_under_plan_and_check(tmp_path, capsys, meta):
+    """plan builds under a fake mode, where Module.to(dtype) cannot swap a tied parameter."""
+    from shardlang.cli import main
+
+    job = tmp_path / "tied_job.py"
+    device = "torch.device('meta')" if meta else "contextlib.nullcontext()"
+    job.write_text(
+        "import contextlib\nimport torch\nimport shardlang as sl\n"
+        "class Tied(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(16, 8)\n"
+        "        self.head = torch.nn.Linear(8, 16, bias=False)\n"
+        "        self.head.weight = self.emb.weight\n"
+        "    def forward(self, x):\n        return self.head(self.emb(x))\n"
+        f"def build_model():\n    with {device}:\n        return Tied()\n"
+        "def loss_fn(model, batch):\n    return model(batch).logsumexp(-1).mean()\n"
+        "def make_batch(step):\n    return torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(step))\n"
+        "dtype = torch.float64\n"
+        "optimizer = sl.SGD(lr=0.1)\n")
+    assert main(["plan", str(job), "--world", "2", "--json"]) == 0
+    flats = json.loads(capsys.readouterr().out)["flats"]
+    assert sum(f["padded_bytes"] for f in flats) == 16 * 8 * 8  # one float64 copy of the tied weight
+    assert main(["check", str(job), "--world-sizes", "1,2"]) == 0
     assert "PASS" in capsys.readouterr().out
