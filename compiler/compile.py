@@ -19,9 +19,11 @@ from .backend import StepBackend
 from .bucket import bucket_flat_params
 from .context import CompileContext
 from .flat import FlatParam, build_flat_params
+from .lazy_code import graph_module
 from .pipeline import DEFAULT_PASSES, run_passes
 from .placement import MeshShape, ParamInfo, Recompute, Strategy
 from .schedule import Schedule, read_schedule
+from .shapes import remember_shapes
 from .trace import TensorShape, TracedStep, trace_step
 from .optim import GroupedOptimizer
 from .training import Training, split_by_group
@@ -96,7 +98,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
     check = structural_check if check_each_pass else None
-    gm = run_passes(copy_graph_module(traced.graph_module), ctx, passes, check=check, dump_dir=dump_dir)
+    gm = copy_graph_module(traced.graph_module)
+    remember_shapes(gm)  # Note [incremental shapes]: the passes' shape propagation re-runs only what changed
+    gm = run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)
     return CompiledStep(gm, ctx, schedule, traced)
@@ -105,13 +109,15 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph: new nodes, each with a shallow copy of its meta.
 
+    Its code is written when first read or run (Note [lazy code] in `compiler.graph_utils`).
+
     Passes replace meta entries rather than mutate them, so the copy can be
     compiled while ``gm`` stays as it was.
     """
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def step_flats(params: tuple[ParamInfo, ...], mesh: MeshShape, *, reshard_after_forward: bool = True,

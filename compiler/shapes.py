@@ -1,21 +1,43 @@
-"""Re-derive every node's shape after the passes, with fake tensors of the local sizes.
+"""Re-derive the shapes the passes changed, with fake tensors of the local sizes.
 
 After sharding, a flat parameter's placeholder and its optimizer state hold a
-shard (``S`` elements) rather than the whole flat tensor. Running the graph
-under `FakeTensorProp` with such inputs refreshes ``meta["val"]`` on every node,
-which the schedule reads for bytes, and fails loudly if any op still expects a
-whole-size tensor.
+shard (``S`` elements) rather than the whole flat tensor, and the passes add
+nodes (collectives, recomputed forward ops, packs) that have no shape yet.
+`propagate_shapes` runs the graph under a `FakeTensorMode` with such inputs and
+refreshes ``meta["val"]`` on every node, which the schedule and the memory plan
+read for bytes and storage identities; it fails loudly if any op still expects
+a whole-size tensor.
+
+Note [incremental shapes]: running every node of a 30k-node step through fake
+tensors takes a minute, and the memory budget compiles one trace about ten
+times. Most nodes are the trace's own, with the same inputs as when they were
+traced, and the trace already gave them their fake tensor. `remember_shapes`
+(called by `compile_step` on the graph the passes receive) notes each node's
+arguments; `propagate_shapes` then runs only the nodes that are new, whose
+arguments a pass replaced, or that read a node whose value changed, and gives
+the others the value the trace made, in the trace's fake mode, so storages stay
+shared exactly as they would be in one propagation. A re-run node whose new
+value is a fresh tensor (its own storage, not a view of an input) of the same
+size, strides and dtype as its traced value, which was fresh too, keeps the
+traced value, and its readers need no re-run: that is where a changed gather
+stops (the matmul reading a re-gathered weight). The result is the same as
+`full_propagation` node for node (shapes, strides, dtypes and which values
+share a storage), which tests/test_shapes.py checks on the examples.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 
 from .context import CompileContext
 from .trace import InputRole
+
+_REMEMBERED = "sl_traced_args"  # GraphModule.meta key: node -> (args, kwargs, target, fresh) as traced
 
 
 def local_numel(ctx: CompileContext, flat_name: str) -> int:
@@ -29,8 +51,44 @@ def held_numel(ctx: CompileContext, flat_name: str) -> int:
     return ctx.flat(flat_name).storage_numel
 
 
+def remember_shapes(gm: fx.GraphModule) -> None:
+    """Note each node's arguments and whether its value is fresh, for `propagate_shapes` (Note [incremental shapes]).
+
+    Kept in ``gm.meta`` by node: a node a pass makes (a copy too, whose
+    ``meta`` is its original's) is not in it, and a pass that replaces an
+    argument gives the node new ``args``, not the tuple noted here.
+    """
+    remembered = gm.meta[_REMEMBERED] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        leaves = pytree.tree_leaves(val)
+        if node.op == "output" or not leaves or not all(isinstance(t, FakeTensor) for t in leaves):
+            continue
+        inputs = [a.meta.get("val") for a in node.all_input_nodes]
+        fresh = node.op != "placeholder" and _fresh(val, inputs)
+        remembered[node] = (node.args, node.kwargs, node.target, fresh)
+
+
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Refresh ``meta["val"]`` for the local sizes: incrementally when `remember_shapes` ran, else in full."""
+    remembered = gm.meta.pop(_REMEMBERED, None)
+    if not remembered:
+        return full_propagation(gm, ctx)
+    mode = pytree.tree_leaves(next(iter(remembered)).meta["val"])[0].fake_mode
+    _IncrementalProp(gm, mode, remembered).propagate_dont_convert_inputs(*_local_inputs(gm, ctx, mode))
+    return gm
+
+
+def full_propagation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Every node through `FakeTensorProp` in a new mode (what `propagate_shapes` equals, node for node)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*_local_inputs(gm, ctx, mode))
+    gm.meta.pop(_REMEMBERED, None)
+    return gm
+
+
+def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode) -> list[torch.Tensor]:
+    """A fresh fake tensor of the local size for each input of the graph."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for spec, node in zip(ctx.inputs, placeholders):
@@ -43,5 +101,65 @@ def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             shape = tuple(old.shape)
         with mode:
             inputs.append(torch.empty(shape, dtype=old.dtype, device=old.device))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-    return gm
+    return inputs
+
+
+def _storage_keys(val) -> list[StorageWeakRef]:
+    return [StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+
+def _fresh(val, inputs) -> bool:
+    """Whether every tensor of ``val`` has a storage of its own: no input's, no other tensor's of ``val``."""
+    keys = _storage_keys(val)
+    taken = {key for v in inputs for key in _storage_keys(v)}
+    return len(set(keys)) == len(keys) and not taken.intersection(keys)
+
+
+def _same_layout(a, b) -> bool:
+    """Whether two values (tensors, or tuples of them) have the same sizes, strides, dtypes and storage sizes."""
+    a_leaves, a_spec = pytree.tree_flatten(a)
+    b_leaves, b_spec = pytree.tree_flatten(b)
+    return a_spec == b_spec and all(
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+        and x.stride() == y.stride() and x.dtype == y.dtype and x.device == y.device
+        and x.storage_offset() == y.storage_offset() and x.untyped_storage().nbytes() == y.untyped_storage().nbytes()
+        for x, y in zip(a_leaves, b_leaves))
+
+
+class _IncrementalProp(FakeTensorProp):
+    """`FakeTensorProp` that re-runs only what changed (Note [incremental shapes])."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, remembered: dict):
+        super().__init__(gm, mode)
+        self.remembered = remembered
+        self.changed: set[fx.Node] = set()
+        self.input_storages: set[StorageWeakRef] = set()  # the placeholders kept so far
+
+    def run_node(self, n: fx.Node):
+        remembered = self.remembered.get(n)
+        old = n.meta.get("val")
+        if n.op == "placeholder":
+            return self._placeholder(n, old, remembered)
+        unchanged = (remembered is not None and n.args is remembered[0] and n.kwargs is remembered[1]
+                     and n.target is remembered[2] and not any(a in self.changed for a in n.all_input_nodes))
+        if unchanged:
+            return old
+        result = super().run_node(n)
+        new = n.meta.get("val")
+        if (remembered is not None and remembered[3] and _same_layout(old, new)
+                and _fresh(new, [self.env[a] for a in n.all_input_nodes])):
+            n.meta["val"] = old  # a fresh value like the traced one: keep it, readers need not run again
+            return old
+        self.changed.add(n)
+        return result
+
+    def _placeholder(self, n: fx.Node, old, remembered):
+        given = super().run_node(n)  # the fresh local-size input, as a full propagation makes it
+        if remembered is not None and _same_layout(old, given):
+            key = StorageWeakRef(old.untyped_storage())
+            if key not in self.input_storages:  # a storage shared with another input must be split, as in full
+                self.input_storages.add(key)
+                n.meta["val"] = old
+                return old
+        self.changed.add(n)
+        return given

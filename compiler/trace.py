@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .flat import FlatParam
+from .lazy_code import lazy_code
 from .optim import GroupedOptimizer, hyper_tensors
 from .dtypes import check_matmul_dtypes
 from .mutations import check_input_mutations
@@ -195,7 +196,7 @@ def trace_forward(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, 
         return out_leaves
 
     try:
-        with fx_traceback.preserve_node_meta(), torch.no_grad(), _eval_mode(model):
+        with fx_traceback.preserve_node_meta(), torch.no_grad(), _eval_mode(model), lazy_code():
             gm = make_fx(forward_fn, tracing_mode="fake")(*example)
     except TraceError:
         raise
@@ -260,7 +261,8 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
                             data_parallel_size, training, tied_parameters(model) if tied is None else tied)
     with tracing_sites(model) as sites:
         try:
-            with fx_traceback.preserve_node_meta(), _annotate_units(model, {m.info.unit for f in flats for m in f.members}):
+            with fx_traceback.preserve_node_meta(), lazy_code(), \
+                    _annotate_units(model, {m.info.unit for f in flats for m in f.members}):
                 gm = make_fx(step_fn, tracing_mode="fake")(*example)
         except TraceError:
             raise

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .. import collectives
 from ..context import CompileContext
-from ..graph_utils import placeholders_by_flat, tag
+from ..graph_utils import placeholders_by_flat, positions, tag
 from ..placement import Strategy
 from ..trace import Phase, phase_of, tag_of
 
@@ -42,8 +42,8 @@ def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
         updates = [u for u in full.users if phase_of(u) is Phase.OPTIMIZER]
         if not updates:
             continue  # the optimizer does not touch it (no state, zero lr is still an update: never here)
-        first = min(updates, key=_position(graph))
-        last = max((n for n in graph.nodes if tag_of(n, "flat") == flat.name), key=_position(graph))
+        first = min(updates, key=positions(graph).__getitem__)
+        last = max((n for n in graph.nodes if tag_of(n, "flat") == flat.name), key=positions(graph).__getitem__)
         with graph.inserting_before(first):
             shard = graph.call_function(collectives.local_shard, (full, flat.axis, flat.world))
             shard.meta["custom"] = {"phase": Phase.OPTIMIZER.value, "flat": flat.name}
@@ -57,8 +57,3 @@ def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _position(graph: fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..context import CompileContext
-from ..graph_utils import sl_tag
+from ..graph_utils import positions, sl_tag
 from ..trace import Phase, phase_of
 
 
@@ -29,11 +29,12 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         waits = [n for n in gm.graph.nodes if sl_tag(n).get("kind") == "wait_gather" and phase_of(n) is phase]
+        order = positions(gm.graph)
         for j in range(1, len(waits)):
             # Gather j is issued right after the wait of gather j - d (the first one's, for j <= d).
             wait, issue = waits[max(j - ctx.prefetch, 0)], waits[j].args[0]
             # Only move earlier: the target spot must precede the issue's current place.
-            if _comes_before(wait, issue):
+            if order[wait] < order[issue]:
                 source = issue.args[0]
                 if sl_tag(source).get("kind") == "cast" and len(source.users) == 1:
                     wait.append(source)  # mixed precision: the shard's cast moves with its gather
@@ -43,12 +44,3 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _comes_before(a: fx.Node, b: fx.Node) -> bool:
-    node = a.next
-    while node is not a.graph._root:
-        if node is b:
-            return True
-        node = node.next
-    return False

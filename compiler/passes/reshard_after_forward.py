@@ -71,7 +71,7 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
     if anchor is None:
         return None  # backward never reads these parameters: no re-gather at all
     last_forward = last_user(closure, order, lambda u: u not in in_closure and not is_backward_reader(u))
-    if last_forward is not None and not _gathers_between(graph, order[last_forward], order[anchor]):
+    if last_forward is not None and not _gathers_between(order, last_forward, anchor):
         return None  # Note [keep the last unit]
     issue = wait.args[0]
     with graph.inserting_before(anchor):
@@ -96,8 +96,16 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
     return rewait
 
 
-def _gathers_between(graph: fx.Graph, start: int, end: int) -> bool:
-    return any(sl_tag(n).get("kind") == "all_gather" for i, n in enumerate(graph.nodes) if start < i < end)
+def _gathers_between(order, start: fx.Node, end: fx.Node) -> bool:
+    """Whether an all-gather comes strictly between ``start`` and ``end`` in graph order."""
+    if not order[start] < order[end]:
+        return False
+    node = start.next
+    while node is not end and node.op != "root":
+        if sl_tag(node).get("kind") == "all_gather":
+            return True
+        node = node.next
+    return False
 
 
 def _reaches_backward(node: fx.Node, in_closure, is_backward_reader) -> bool:

@@ -1,0 +1,108 @@
+"""Planning at scale: incremental shape propagation, lazy GraphModule code, positions by fx sort keys.
+
+The compile pipeline re-derives shapes only where the passes changed the graph
+(Note [incremental shapes] in compiler/shapes.py). Every test here compares it
+with a full `FakeTensorProp` of the same final graph: the same sizes, strides,
+dtypes and storage sharing, node for node, so memory plans cannot change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+import shardlang as sl
+from shardlang.cli.common import split_for_rank
+from shardlang.compiler.compile import copy_graph_module
+from shardlang.compiler.graph_utils import positions
+from shardlang.compiler.memory import plan_memory
+from shardlang.compiler.shapes import full_propagation
+from shardlang.job import build, global_batch, load_job
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def layout(gm: fx.GraphModule) -> list:
+    """Each node's value: per tensor its size, strides, offset, dtype, storage bytes and storage (numbered)."""
+    storages: dict[StorageWeakRef, int] = {}
+    rows = []
+    for node in gm.graph.nodes:
+        row = []
+        for t in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(t, torch.Tensor):
+                key = StorageWeakRef(t.untyped_storage())
+                row.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes(),
+                            storages.setdefault(key, len(storages))))
+            else:
+                row.append(repr(t))
+        rows.append((node.name, tuple(row)))
+    return rows
+
+
+def plan_example(name: str, world: int, **changes):
+    job = load_job(str(EXAMPLES / name))
+    spec = attrs.evolve(job.spec, **changes)
+    example = split_for_rank(job, global_batch(job, 0), world, 0, 0)
+    return sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
+                   world_size=world)
+
+
+def assert_same_as_full_propagation(compiled) -> None:
+    full = full_propagation(copy_graph_module(compiled.graph_module), compiled.context)
+    incremental, reference = layout(compiled.graph_module), layout(full)
+    assert len(incremental) == len(reference)
+    for mine, theirs in zip(incremental, reference):
+        assert mine == theirs
+    schedule = compiled.schedule
+    assert plan_memory(compiled.graph_module, schedule, compiled.context.inputs).to_dict() == \
+        plan_memory(full, schedule, compiled.context.inputs).to_dict()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("recompute", [None, "full", "selective"])
+def test_gpt_shapes_equal_a_full_propagation(world, recompute):
+    rules = None if recompute is None else [("blocks.*", recompute)]
+    assert_same_as_full_propagation(plan_example("gpt.py", world, recompute=rules))
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_llama_mixed_precision_shapes_equal_a_full_propagation(recompute):
+    options = sl.Options(mixed_precision=sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    rules = None if recompute is None else [("layers.*", recompute)]
+    assert_same_as_full_propagation(plan_example("llama.py", 4, recompute=rules, options=options))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero1", "ddp"])
+def test_strategies_and_training_features_equal_a_full_propagation(strategy):
+    """Whole-flat placeholders (ZERO1, DDP), micro-batches and clipping change other nodes than ZeRO-3 does."""
+    options = sl.Options(microbatches=2, clip_grad_norm=1.0)
+    assert_same_as_full_propagation(plan_example("gpt.py", 2, strategies=[("blocks.*", strategy)], options=options))
+
+
+def test_batch_norm_buffers_equal_a_full_propagation():
+    assert_same_as_full_propagation(plan_example("bert.py", 2))
+
+
+def test_lazy_code_is_the_code_a_recompile_writes():
+    compiled = plan_example("gpt.py", 2)
+    gm = compiled.graph_module
+    assert gm.code == fx.GraphModule(gm, gm.graph).code
+
+
+def test_positions_follow_the_graph_as_nodes_move():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [graph.call_function(torch.neg, (x,)) for _ in range(6)]
+    order = positions(graph)
+    nodes[0].append(nodes[4])  # 0, 4, 1, 2, 3, 5
+    with graph.inserting_before(nodes[2]):
+        new = graph.call_function(torch.abs, (x,))
+    listed = list(graph.nodes)
+    assert sorted(listed, key=order.__getitem__) == listed
+    assert order[nodes[4]] < order[nodes[1]] and order[nodes[1]] < order[new] < order[nodes[2]]
