@@ -71,13 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         kept = {u.unit: u.kept for u in memory.units}
         per_layer = kept.get("layers.0", 0)
         peak = memory.peak + (total - args.layers) * per_layer
-        rows.append((name, memory.peak, per_layer, peak, memory.breakdown["activations"], seconds))
+        rows.append((name, memory.peak, per_layer, peak, compiled.timeline.step_time_s, seconds))
     print(f"Llama-3-70B shape on {args.world} ranks, {args.layers} of {total} layers planned"
           + (f", extrapolated to {total}" if args.layers != total else ""))
-    print("| recompute | planned peak (L layers) | kept per layer | peak at 80 layers | plan time |")
-    print("|---|---|---|---|---|")
-    for name, peak_l, per_layer, peak, _act, seconds in rows:
-        print(f"| {name} | {human_bytes(peak_l)} | {human_bytes(per_layer)} | {human_bytes(peak)} | {seconds:.0f} s |")
+    print("| recompute | planned peak (L layers) | kept per layer | peak at 80 layers | predicted step (L layers) "
+          "| plan time |")
+    print("|---|---|---|---|---|---|")
+    for name, peak_l, per_layer, peak, step_s, seconds in rows:
+        print(f"| {name} | {human_bytes(peak_l)} | {human_bytes(per_layer)} | {human_bytes(peak)} | {step_s:.1f} s "
+              f"| {seconds:.0f} s |")
     if args.layers == total:
         compiled, memory, seconds = plan(job, args.layers, args.world, budget=int(args.budget_gib * GIB))
         print(f"\n--memory-budget {args.budget_gib:g}GiB ({seconds:.0f} s):\n{compiled.budget.summary_text()}")

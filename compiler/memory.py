@@ -10,8 +10,10 @@ Note [liveness]: fx's generated code drops a value right after its last user
 inputs are held by the caller for the whole step. A value keeps its *storage*
 alive, and views, in-place ops and identity collectives share their input's
 storage: the plan follows storages, identified through the fake tensors (a
-view's fake tensor has its base's fake storage; FakeTensorProp propagated the
-whole final graph in one mode, so the identities are those of a real run). A
+view's fake tensor has its base's fake storage; the shapes of the final graph
+are propagated in one fake mode, node for node as one FakeTensorProp would,
+Note [incremental shapes] in `compiler.shapes`, so the identities are those of
+a real run). A
 node's output exists while its inputs are still held, so "during" a node
 counts both: that is when the allocator's high-water mark is reached, and it is
 what the plan's peak reports. "After" a node is what remains once the values
