@@ -1,0 +1,86 @@
+"""Note [updates from member gradients]: at N = 1 the optimizer reads each member's gradient, not a packed copy.
+
+One process, no process group: the rewritten step must train to the bit like
+the step that packs (and so like one process, which tests/test_parity.py checks
+at N = 1, 2 and 4), and the rewrite must happen exactly where every reader of
+the packed gradient is an in-place elementwise op.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import shardlang as sl
+from shardlang.batch import split_batch
+from shardlang.compiler import emit
+from shardlang.compiler.flat import flatten_gradients, pack_gradients, pack_whole_gradients
+from shardlang.compiler.member_updates import update_members_
+
+import parity
+from models import CASES
+
+STEPS = 3
+
+
+def _train(case_name: str, optimizer: str, rewrite: bool, strategy: str = "ZeRO3", **options):
+    case = CASES[case_name]
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=1), units=case.units, options=sl.Options(**options),
+                   strategies=[("*", getattr(sl, strategy))])
+    patch = mock.patch.object(emit, "update_from_member_gradients", lambda gm: gm) if not rewrite else mock.MagicMock()
+    with patch:
+        step = sl.compile(case.build(torch.float64), case.loss_fn, spec, optimizer=parity.OPTIMIZERS[optimizer][0](),
+                          example_batch=split_batch(case.make_batch(0, torch.float64), 1, 0), check_each_pass=True)
+    losses = [float(step(case.make_batch(k, torch.float64))) for k in range(STEPS)]
+    return step, losses, step.full_parameters()
+
+
+def _targets(step) -> list:
+    return [n.target for n in step.graph.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("strategy", ["ZeRO3", "ZeRO1", "DDP"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("case", ["gpt_tiny", "prime", "frozen"])
+def test_member_updates_train_to_the_bit_like_packing(case, optimizer, strategy):
+    packed_step, packed_losses, packed = _train(case, optimizer, rewrite=False, strategy=strategy)
+    step, losses, params = _train(case, optimizer, rewrite=True, strategy=strategy)
+    assert losses == packed_losses
+    assert params.keys() == packed.keys()
+    for name in params:
+        assert torch.equal(params[name], packed[name]), name
+    targets = _targets(step)
+    if optimizer == "adamw":  # lerp_ and addcmul_ read the gradient: every pack goes
+        assert update_members_ in targets
+        assert not {pack_gradients, flatten_gradients, pack_whole_gradients} & set(targets)
+    assert any(t in {pack_gradients, flatten_gradients, pack_whole_gradients} for t in _targets(packed_step))
+
+
+def test_sgd_with_momentum_reads_member_gradients():
+    """``buf.mul_(m).add_(grad)``: the in-place add reads each member's gradient."""
+    step, _, _ = _train("mlp", "sgd", rewrite=True)  # parity's SGD has momentum 0.9
+    assert update_members_ in _targets(step)
+    assert pack_gradients not in _targets(step)
+
+
+@pytest.mark.parametrize("options", [{"clip_grad_norm": 1.0}, {"skip_nonfinite": True}])
+def test_other_readers_keep_the_pack(options):
+    """A norm (clipping) or a functional select (skip_nonfinite) reads the whole flat gradient: it stays packed."""
+    packed_step, packed_losses, packed = _train("gpt_tiny", "adamw", rewrite=False, **options)
+    step, losses, params = _train("gpt_tiny", "adamw", rewrite=True, **options)
+    assert losses == packed_losses
+    assert all(torch.equal(params[n], packed[n]) for n in params)
+    assert update_members_ not in _targets(step)
+    assert step.graph is step.compiled.graph_module  # nothing rewritten: not even a copy
+
+
+def test_update_members_runs_the_op_on_each_slice():
+    state = torch.arange(9.0)
+    g0, g1 = torch.ones(2, 3), torch.full((3,), 2.0)
+    expected = state.clone().lerp_(torch.cat([g0.reshape(-1), g1]), 0.5)
+    out = update_members_(torch.ops.aten.lerp_.Scalar, ((0, 6), (6, 3)), ("flat", "grad", "same"), {}, 3,
+                          state, None, 0.5, g0, g1)
+    assert out is state
+    assert torch.equal(state, expected)
