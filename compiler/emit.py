@@ -35,6 +35,8 @@ import torch.fx as fx
 
 from . import collectives
 from .errors import CompileError
+from .flat import flatten_gradients
+from .graph_utils import sl_tag
 from .member_updates import update_from_member_gradients
 from .placement import WORLD
 
@@ -93,7 +95,9 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             node.target, node.args = _c10d.reduce_scatter_tensor.default, (buffer, "sum", size, _group(group_names, axis))
         elif node.target is collectives.all_reduce:
             buffer, axis, _size = node.args
-            node.target, node.args = _c10d.all_reduce.default, (buffer, "sum", _group(group_names, axis))
+            # Note [reductions in place]: a buffer the pack made for this all-reduce alone is reduced in place.
+            op = _c10d.all_reduce_.default if _fresh_packed_buffer(buffer) else _c10d.all_reduce.default
+            node.target, node.args = op, (buffer, "sum", _group(group_names, axis))
         elif node.target is collectives.local_shard:
             full, axis, size = node.args
             coordinate = _coordinate(coordinates, axis)
@@ -103,9 +107,42 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             node.target = _c10d.wait_tensor.default
             if node.args[0] in exchanged:
                 _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
+    _average_in_place(bound.graph)
     bound.graph.lint()
     bound.recompile()
     return update_from_member_gradients(bound)
+
+
+def _fresh_packed_buffer(buffer) -> bool:
+    """Whether ``buffer`` is a new concatenation of gradients that only the all-reduce reads.
+
+    Note [reductions in place]: ``_c10d_functional.all_reduce`` clones its input
+    and reduces the clone, one more pass over the whole gradient and a buffer as
+    large. A buffer that `flatten_gradients` concatenated (or cast) for this
+    reduction is read by nothing else, so it can be reduced in place
+    (``all_reduce_``). A single gradient flattened is a view of that gradient,
+    not a new buffer: it keeps the clone. Likewise the average divides the
+    result of its reduction in place when nothing else reads that result
+    (`_average_in_place`). The values are the same to the bit; the memory plan,
+    made on the compiled graph, still counts the clone and the quotient, so it
+    stays an upper bound.
+    """
+    if not isinstance(buffer, fx.Node) or buffer.target is not flatten_gradients or len(buffer.users) != 1:
+        return False
+    dtype, *grads = buffer.args
+    return len(grads) > 1 or dtype is not None
+
+
+def _average_in_place(graph: fx.Graph) -> None:
+    """Divide a reduced gradient in place where its reduction's result is read by the division alone."""
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten.div.Tensor or sl_tag(node).get("kind") != "average":
+            continue
+        reduced = node.args[0]
+        made = reduced.target in (_c10d.wait_tensor.default, torch.ops.aten.sum.dim_IntList)
+        if made and len(reduced.users) == 1 and all(len(a.users) == 1 for a in reduced.all_input_nodes
+                                                    if reduced.target is _c10d.wait_tensor.default):
+            node.target = torch.ops.aten.div_.Tensor
 
 
 def _sum_blocks(graph: fx.Graph, wait: fx.Node, size: int, result) -> None:
