@@ -48,10 +48,11 @@ def held_bytes_and_traffic(ctx, case_name: str, spec_dict: dict):
     step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS["adamw"][0](), example_batch=example,
                       dist_context=ctx)
     counts: dict[tuple[str, int], int] = {}
-    # On gloo a reduce-scatter is bound as an all-to-all plus a local sum (Note [reduce-scatter as all-to-all]).
+    # On gloo a reduce-scatter is bound as an all-to-all plus a local sum (Note [reduce-scatter as all-to-all]);
+    # a freshly packed gradient is all-reduced in place (Note [reductions in place]).
     kinds = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "reduce_scatter",
-             "all_reduce": "all_reduce"}
+             "all_reduce": "all_reduce", "all_reduce_": "all_reduce"}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
