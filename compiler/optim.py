@@ -114,7 +114,9 @@ class Adam:
         bias_correction1 = 1 - torch.pow(beta1, t)
         bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
         step_size_neg = -(lr / bias_correction1)
-        denom = (exp_avg_sq.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(self.eps / step_size_neg)
+        # One parameter-sized temporary, divided in place (same values as sqrt() / ...): a second one costs
+        # a pass and, above glibc's mmap threshold, fresh pages every step.
+        denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt * step_size_neg).add_(self.eps / step_size_neg)
         param.addcdiv_(exp_avg, denom)
 
 
