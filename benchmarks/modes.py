@@ -186,6 +186,7 @@ class ShardlangTrainer:
         summary = schedule.summary
         m = sum(f.padded_bytes for f in schedule.flats if f.sharded or f.trainable)
         return {"compile_s": self.compile_s, "backend_compile_s": self.step_fn.backend_compile_s,
+                "backend_cache_hit": self.step_fn.backend_cache_hit,
                 "schedule_payload": dict(summary.bytes_per_rank),
                 "schedule_collectives": dict(summary.collectives), "M_padded": m}
 

@@ -20,9 +20,30 @@ its own buffers, freeing each after its last use. Random ops run through
 inductor's fallback to the aten ops (``fallback_random``), so they draw from
 the same generator, in the same order, as the eager graph (`random_state`).
 
-Caches: inductor's FX graph cache and AOTAutograd cache are on (torch's
-defaults, kept on here), so the second process that compiles the same graph on
-the same machine loads the kernels instead of building them. They live under
+Note [inductor keeps the schedule]: the schedule places each collective's
+issue and wait so that communication overlaps compute (prefetch, the
+reduce-scatter's wait after the next unit's backward), and the memory plan's
+peak follows from that order. Two of inductor's default passes undo it. On the
+benchmark's tiny GPT at N = 2 (collectives and matmuls in the generated code's
+order), the schedule's ``AG w AG w AG m m m m w ... RS AG w m ... w RS w RS w``
+became ``AG w AG w m m m m AG w ... RS w AG w m ... RS w RS w`` (the
+peak-memory pass: each gather issued just before its wait), and with only that
+pass off ``AG AG AG w w ... RS m RS w w w`` (the locality pass: every
+reduce-scatter's wait at the end of the backward). With both off
+(`_KEEP_THE_SCHEDULE`) it is the schedule's order, ``AG w AG w AG m m m m w ...
+RS AG w m ... w RS m w RS w``; tests/test_inductor.py checks that no collective
+has fewer matmuls under it than scheduled. What inductor still changes: it fuses
+the optimizer updates of all flats into one kernel after the last wait, so each
+reduction's received blocks live until then (more memory than the plan counts
+for the eager graph, not more exposed communication).
+
+Caches: inductor's FX graph cache is on (torch's default, kept on here), so the
+second process that compiles the same graph on the same machine loads the
+kernels instead of building them. It keys on a shape environment that only a
+tracing context provides, so `compile_graph` makes one (before, every compile
+bypassed the cache: ``fxgraph_cache_bypass``, 'No shape env'). AOTAutograd's own
+cache still bypasses our graphs (their ``unpack_member`` calls are not torch ops);
+it only saves the functionalisation trace, seconds. They live under
 ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_<user>``).
 """
 
@@ -38,6 +59,19 @@ import torch
 import torch.fx as fx
 
 from .errors import CompileError
+
+
+#: Inductor settings that keep the compiled step in the schedule's order (Note [inductor keeps the schedule]).
+_KEEP_THE_SCHEDULE = {
+    # The peak-memory pass picks, among topological orders, the one of least estimated peak:
+    # it issues each all-gather just before its wait and waits for each reduce-scatter at once,
+    # so that no collective overlaps any compute. The schedule's order already has the peak the
+    # memory plan computed; keep it.
+    "reorder_for_peak_memory": False,
+    # The post-grad locality pass moves producers down to their consumers: with it on, every
+    # reduce-scatter's wait moved to the end of the backward.
+    "reorder_for_locality": False,
+}
 
 
 class StepBackend(enum.Enum):
@@ -81,13 +115,22 @@ def compile_graph(gm: fx.GraphModule, backend: StepBackend, example_inputs: Sequ
     if backend is not StepBackend.INDUCTOR:
         raise CompileError(f"unknown step backend {backend!r}; valid: {[b.value for b in StepBackend]}")
     from torch._dynamo.utils import counters
+    from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     hits_before = counters["inductor"]["fxgraph_cache_hit"]
     started = time.perf_counter()
     # compile_fx rewrites the graph it is given; the step keeps its own for inspection.
-    with torch.no_grad(), config.patch(fallback_random=True, fx_graph_cache=True):
-        compiled = compile_fx(copy.deepcopy(gm), list(example_inputs))
+    # Inductor's FX graph cache needs a shape environment to key on, which only a tracing context
+    # (dynamo's, normally) provides: without one every compile bypasses the cache. Static shapes.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+            config.patch({**_KEEP_THE_SCHEDULE, "fallback_random": True, "fx_graph_cache": True}):
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in example_inputs]
+        compiled = compile_fx(copy.deepcopy(gm), fakes)
     elapsed = time.perf_counter() - started
     return CompiledRunner(backend, compiled, elapsed, counters["inductor"]["fxgraph_cache_hit"] > hits_before)
+

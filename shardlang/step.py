@@ -176,6 +176,11 @@ class Step:
         return self._runner.compile_s
 
     @property
+    def backend_cache_hit(self) -> bool | None:
+        """Whether inductor loaded the compiled step from its FX graph cache (None for eager)."""
+        return self._runner.cache_hit
+
+    @property
     def batch_shapes(self) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
         """The per-rank batch shapes compiled so far, one entry (each leaf's shape and dtype) per variant."""
         return [s.leaves for s in self.variants.signatures]

@@ -2,8 +2,9 @@
 
 Inductor compiles on the CPU with a C++ compiler, tens of seconds per graph on
 two busy cores, so these tests use the smallest case (``mlp``: three Linear
-layers, one unit) and few compiles: one per world size, plus ZeRO-1 (whose
-all-gather writes into its input in place) and float32 at N = 2. Repeated runs
+layers) and few compiles: one per world size (at N = 2 with one unit per layer,
+so that there is overlap to keep), plus ZeRO-1 (whose all-gather writes into
+its input in place) and float32 at N = 2. Repeated runs
 are faster: inductor's FX graph cache keeps the kernels (`compiler.backend`).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import inductor_workers
 import parity
 import shardlang as sl
 from shardlang.compiler.backend import StepBackend
@@ -22,7 +24,7 @@ STEPS = 3
 INDUCTOR = {"backend": "inductor"}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 4])
 def test_inductor_step_matches_one_process_in_float64(run_on, references, world_size):
     results = run_on(world_size, parity.train_sharded, "mlp", "adamw", "float64", STEPS, INDUCTOR)
     ref_losses, ref_params, _ = references("mlp", "adamw")
@@ -30,6 +32,20 @@ def test_inductor_step_matches_one_process_in_float64(run_on, references, world_
         assert parity.max_relative_difference(params, ref_params) < 1e-9, f"rank {rank}"
     for k in range(STEPS):
         assert sum(r[0][k] for r in results) / world_size == pytest.approx(ref_losses[k], rel=1e-12)
+
+
+def test_inductor_keeps_the_schedules_overlap_and_matches_one_process(run_on, references):
+    """One unit per layer, so the schedule prefetches the next layer's gather and waits for each reduce-scatter
+    after the next layer's backward; inductor runs no collective with less compute under it than the schedule."""
+    results = run_on(2, inductor_workers.train_with_order, "mlp", "float64", STEPS, ("fc1", "fc2", "fc3"))
+    ref_losses, ref_params, _ = references("mlp", "adamw")
+    for rank, (losses, params, scheduled, compiled) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < 1e-9, f"rank {rank}"
+        assert len(compiled) == len(scheduled) and sum(scheduled) > 0, (scheduled, compiled)
+        assert all(c >= s for c, s in zip(compiled, scheduled)), f"rank {rank}: matmuls under each collective, " \
+            f"scheduled {scheduled}, compiled {compiled}"
+    for k in range(STEPS):
+        assert sum(r[0][k] for r in results) / 2 == pytest.approx(ref_losses[k], rel=1e-12)
 
 
 def test_inductor_zero1_matches_one_process(run_on, references):
