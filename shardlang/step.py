@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
+from .compiler import collectives
 from .compiler.backend import StepBackend, compile_graph
 from .compiler.compile import CompiledStep
 from .compiler.emit import WORLD_AXIS, bind, group_keys
@@ -374,15 +375,19 @@ class Step:
     def _compile_backend(self, compiled: CompiledStep, ctx: DistContext):
         """The bound graph compiled by ``Options.backend``; Note [one compile per machine].
 
-        Every rank compiles the same graph. On one machine the ranks share
+        When every rank compiles the same graph, the ranks on one machine share
         inductor's cache, so the first local rank compiles alone while the others
         wait, and then they load its result from the cache instead of all
         building the same kernels at once on the same cores. The first rank
-        reaches the barrier even when its compile fails, so nobody hangs.
+        reaches the barrier even when its compile fails, so nobody hangs. A graph
+        that slices this rank's own shard (``local_shard``, bound to a narrow at
+        this rank's offset) differs by rank and cannot come from another rank's
+        cache entry: those ranks compile at once.
         """
         inputs = [*self.state.graph_inputs(), *_example_leaves(compiled, ctx.device)]
         backend = compiled.context.backend
-        if backend is StepBackend.EAGER or not ctx.has_process_group or ctx.world_size == 1:
+        per_rank = any(n.target is collectives.local_shard for n in compiled.graph_module.graph.nodes)
+        if backend is StepBackend.EAGER or not ctx.has_process_group or ctx.world_size == 1 or per_rank:
             return compile_graph(self._graph, backend, inputs)
         first = ctx.local_rank == 0
         if not first:
