@@ -19,7 +19,7 @@ A row is one (model size, world size N, mode) on gloo:
   of all-reduces); ``wire``: measured bytes sent per rank per step (Note [bytes on
   the wire]); ``gloo_extra`` = ``wire - ring``.
 - ``loss``: the last step's loss (mean over ranks); ``loss_diff``: its relative
-  difference from the one-process run of the same size.
+  difference from the one-process run of the same size and global batch (None where the batch differs).
 """
 
 from __future__ import annotations
@@ -71,7 +71,11 @@ def aggregate(results: dict) -> dict:
             "counts": ranks[0]["counts"], "payload": payload, "payload_total": sum(payload.values()),
             "payload_over_M": sum(payload.values()) / ref["M"], "ring": ring, "ring_total": sum(ring.values()),
             "wire": wire, "gloo_extra": wire - sum(ring.values()),
-            "loss": _loss(run), "loss_diff": _rel(_loss(run), singles.get(size)),
+            # One process ran at N = 1: its loss is this run's only where both trained on the same global batch
+            # (not so in the latency setting, whose batch grows with N).
+            "loss": _loss(run), "loss_diff": (_rel(_loss(run), singles.get(size))
+                                              if _global_batch(results, cfg, n) == _global_batch(results, cfg, 1)
+                                              else None),
             "startup_s": max(r["build_s"] + r.get("first_step_s", 0.0) for r in ranks),
             "same_on_every_rank": all(r["counts"] == ranks[0]["counts"] and r["payload"] == payload for r in ranks),
         }
