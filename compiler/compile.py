@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 import attrs
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .backend import StepBackend
 from .bucket import bucket_flat_params
@@ -24,6 +25,7 @@ from .pipeline import DEFAULT_PASSES, run_passes
 from .placement import MeshShape, ParamInfo, Recompute, Strategy
 from .schedule import Schedule, read_schedule
 from .shapes import remember_shapes
+from .replicate import trace_step_replicated
 from .trace import TensorShape, TracedStep, trace_step
 from .optim import GroupedOptimizer
 from .training import Training, split_by_group
@@ -92,8 +94,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                        reduce_dtype=reduce_dtype, training=training, bucket_bytes=bucket_bytes)
     optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
     if traced is None:
-        traced = trace_step(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
-                            training=training, buffers=buffers, tied=tied)
+        trace = trace_step_replicated if _is_fake(model) else trace_step  # Note [replicated trace]: planning
+        traced = trace(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
+                       training=training, buffers=buffers, tied=tied)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
@@ -104,6 +107,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     schedule = read_schedule(gm, ctx)
     verify(schedule)
     return CompiledStep(gm, ctx, schedule, traced)
+
+
+def _is_fake(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are fake tensors (`shardlang.plan`): only the plan is wanted."""
+    params = list(model.parameters())
+    return bool(params) and all(isinstance(p, FakeTensor) for p in params)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

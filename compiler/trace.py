@@ -106,6 +106,7 @@ class TracedStep:
     batch_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     optimizer: GroupedOptimizer | None = None  # the optimizer of each parameter group
     output_spec: pytree.TreeSpec | None = None  # evaluation graphs: the structure of what ``fn`` returned
+    replicated_from: int | None = None  # the layers traced, when the graph replicates them (Note [replicated trace])
 
 
 def phase_of(node: torch.fx.Node) -> Phase | None:
