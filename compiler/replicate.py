@@ -24,7 +24,17 @@ layers must equal the traced 4-layer graph node for node (names, ops, targets,
 arguments, tags, stack traces, and per value its sizes, strides, offset, dtype,
 storage bytes and which storages are shared). Anything else (layers that
 differ, a flat parameter across layers, a graph that is not periodic) falls
-back to tracing the whole model, with the same result but slower.
+back to tracing the whole model, with the same result but slower. Layers
+count as identical when their module classes, parameters (names, shapes,
+dtypes, requires_grad), buffers and plain attributes (ints, strings, flags:
+what a layer's code may branch on) are the same and they have no hooks.
+
+What the check cannot see: code outside the layers that treats a layer by its
+index from the fifth on (``if i == 40``), or a layer's code that reads state
+other than its attributes. ``meta["seq_nr"]`` (autograd's counter, which no
+pass reads) is the template's, not the one a full trace would number.
+Planning uses it (`compile_step` on a model with fake parameters); a real
+compile traces in full.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from .errors import TraceError
 from .lazy_code import graph_module
 from .trace import TracedStep, graph_inputs, trace_step
 
@@ -66,7 +77,7 @@ def trace_step_replicated(model: torch.nn.Module, loss_fn, flats, optimizer, bat
         prefix, n = repeated
         try:
             return _replicated(model, loss_fn, flats, optimizer, batch, prefix, n, kwargs)
-        except NotReplicable:
+        except (NotReplicable, TraceError):  # a model that fails to trace reports it from its full trace
             pass
     return trace_step(model, loss_fn, flats, optimizer, batch, **kwargs)
 
@@ -178,7 +189,10 @@ def _signature(node: fx.Node, role, prefix: str, *, literal: bool):
     """What the alignment compares: op, target (a placeholder: its input), tags (layer indices kept or not), sizes."""
     custom = node.meta.get("custom", {})
     tags = tuple(sorted((k, v if literal else _shift_all(v, prefix)) for k, v in custom.items()))
-    target = str(node.target) if role is None else (role.role.value, role.name if literal else _shift_all(role.name, prefix))
+    if role is None:
+        target = str(node.target)
+    else:
+        target = role.role.value, role.name if literal else _shift_all(role.name, prefix)
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
                    for t in pytree.tree_leaves(node.meta.get("val")))
     return node.op, target, tags, shapes
@@ -230,14 +244,15 @@ class _Periodic:
             return first == abstract[start + size:start + 2 * size] == abstract[start + 2 * size:start + 3 * size]
         options = [(start, asc) for start, asc in ((at - 3 * size, True), (at, False)) if periodic(start)]
         if len(options) != 1:
-            raise NotReplicable(f"the insertion of {size} nodes before {self.nodes[at].name if at < len(self.nodes) else 'the end'} "
-                                f"is not next to three equal blocks ({len(options)} found)")
+            where = self.nodes[at].name if at < len(self.nodes) else "the end"
+            raise NotReplicable(f"the insertion of {size} nodes before {where} is not next to three equal blocks "
+                                f"({len(options)} found)")
         return options[0]
 
     def build(self, n: int) -> fx.Graph:
         graph = fx.Graph()
         env: dict = {}  # (point, layer, offset) or a fixed node -> the new node
-        storages: dict = {}  # (env key of the owner, its leaf) -> the new storage, as a uint8 tensor
+        storages: dict = {}  # (env key of the owner, its leaf) -> the new storage, as a uint8 meta tensor
         self.owners = _storage_owners(self.nodes)
         placeholders = 0
         i = 0
@@ -332,8 +347,7 @@ class _Periodic:
                 if owner[0] != mine:
                     raise NotReplicable(f"a value of {template.name} shares a storage of {owner_node.name}, "
                                         "which the new graph does not have")
-                with leaf.fake_mode:
-                    base = torch.empty((leaf.untyped_storage().nbytes(),), dtype=torch.uint8, device=leaf.device)
+                base = torch.empty((leaf.untyped_storage().nbytes(),), dtype=torch.uint8, device="meta")
                 storages[owner] = base
             out.append(_view(base, leaf))
         return pytree.tree_unflatten(out, spec)
@@ -349,12 +363,17 @@ def _storage_owners(nodes) -> dict:
     return owners
 
 
-def _view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``base``'s storage with ``like``'s dtype, sizes, strides and offset."""
-    if base.numel() % like.element_size():
-        raise NotReplicable("a storage does not hold a whole number of elements")
-    with like.fake_mode:
-        return base.view(like.dtype).as_strided(like.shape, like.stride(), like.storage_offset())
+def _view(base: torch.Tensor, like: FakeTensor) -> FakeTensor:
+    """A fake tensor on ``base``'s (meta) storage with ``like``'s dtype, sizes, strides, offset and device.
+
+    Made from a meta view, not by the fake mode's dispatch (a millisecond an
+    op, most of the replication's time): a fake tensor is a meta tensor with a
+    device, and its storage is the meta tensor's.
+    """
+    if base.numel() % like.element_size() or like.requires_grad:
+        raise NotReplicable("a value is not a plain view of whole elements")
+    elem = base.view(like.dtype).as_strided(like.shape, like.stride(), like.storage_offset())
+    return FakeTensor(like.fake_mode, elem, like.device)
 
 
 def describe_graph(graph: fx.Graph) -> list:
