@@ -93,6 +93,7 @@ def update_from_member_gradients(gm: fx.GraphModule) -> fx.GraphModule:
             new.meta = dict(reader.meta)
             reader.replace_all_uses_with(new)
             graph.erase_node(reader)
+            new.name = reader.name  # the schedule's ops name their nodes: the profiler's ranges still find it
         for node in reversed(chain):  # average, wait, identity collective, pack: now unread
             graph.erase_node(node)
     graph.lint()
