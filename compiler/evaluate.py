@@ -39,7 +39,7 @@ from .passes.reshard_after_forward import reshard_after_forward
 from .pipeline import run_passes
 from .placement import MeshShape
 from .schedule import read_schedule
-from .shapes import propagate_shapes
+from .shapes import propagate_shapes, remember_shapes
 from .trace import trace_forward
 from .verify import verify
 
@@ -59,6 +59,7 @@ def compile_eval(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, .
     traced = trace_forward(model, fn, flats, example_batch)
     ctx = CompileContext(flats, mesh, traced.inputs, prefetch=prefetch, evaluate=True)
     check = structural_check if check_each_pass else None
+    remember_shapes(traced.graph_module)  # Note [incremental shapes]: only the gathers and their readers re-run
     gm = run_passes(traced.graph_module, ctx, EVAL_PASSES, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)

@@ -22,7 +22,9 @@ size, strides and dtype as its traced value, which was fresh too, keeps the
 traced value, and its readers need no re-run: that is where a changed gather
 stops (the matmul reading a re-gathered weight). The result is the same as
 `full_propagation` node for node (shapes, strides, dtypes and which values
-share a storage), which tests/test_shapes.py checks on the examples.
+share a storage), which tests/test_incremental_shapes.py checks on the examples.
+Where nothing was remembered (a graph `remember_shapes` never saw) every node
+is new, so the same propagation runs every node, in a new fake mode.
 """
 
 from __future__ import annotations
@@ -70,17 +72,16 @@ def remember_shapes(gm: fx.GraphModule) -> None:
 
 
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Refresh ``meta["val"]`` for the local sizes: incrementally when `remember_shapes` ran, else in full."""
-    remembered = gm.meta.pop(_REMEMBERED, None)
-    if not remembered:
-        return full_propagation(gm, ctx)
-    mode = pytree.tree_leaves(next(iter(remembered)).meta["val"])[0].fake_mode
+    """Refresh ``meta["val"]`` for the local sizes, re-running only what changed since `remember_shapes`."""
+    remembered = gm.meta.pop(_REMEMBERED, None) or {}
+    mode = (pytree.tree_leaves(next(iter(remembered)).meta["val"])[0].fake_mode if remembered
+            else FakeTensorMode(allow_non_fake_inputs=True))
     _IncrementalProp(gm, mode, remembered).propagate_dont_convert_inputs(*_local_inputs(gm, ctx, mode))
     return gm
 
 
 def full_propagation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Every node through `FakeTensorProp` in a new mode (what `propagate_shapes` equals, node for node)."""
+    """Every node through plain `FakeTensorProp` in a new mode: the reference `propagate_shapes` is tested against."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*_local_inputs(gm, ctx, mode))
     gm.meta.pop(_REMEMBERED, None)
@@ -105,7 +106,7 @@ def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode)
 
 
 def _storage_keys(val) -> list[StorageWeakRef]:
-    return [StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+    return [storage_key(t) for t in tensor_leaves(val)]
 
 
 def _fresh(val, inputs) -> bool:

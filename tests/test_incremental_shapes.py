@@ -14,14 +14,13 @@ import attrs
 import pytest
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
 
 import shardlang as sl
 from shardlang.cli.common import split_for_rank
 from shardlang.compiler.compile import copy_graph_module
 from shardlang.compiler.graph_utils import positions
 from shardlang.compiler.memory import plan_memory
+from shardlang.compiler.replicate import describe_graph
 from shardlang.compiler.shapes import full_propagation
 from shardlang.job import build, global_batch, load_job
 
@@ -29,28 +28,16 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def layout(gm: fx.GraphModule) -> list:
-    """Each node's value: per tensor its size, strides, offset, dtype, storage bytes and storage (numbered)."""
-    storages: dict[StorageWeakRef, int] = {}
-    rows = []
-    for node in gm.graph.nodes:
-        row = []
-        for t in pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(t, torch.Tensor):
-                key = StorageWeakRef(t.untyped_storage())
-                row.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes(),
-                            storages.setdefault(key, len(storages))))
-            else:
-                row.append(repr(t))
-        rows.append((node.name, tuple(row)))
-    return rows
+    """Each node's value: per tensor its size, strides, offset, dtype, device, storage bytes and storage (numbered)."""
+    return [(row[0], row[-1]) for row in describe_graph(gm.graph)]
 
 
-def plan_example(name: str, world: int, **changes):
+def plan_example(name: str, world: int, evaluate: bool = False, **changes):
     job = load_job(str(EXAMPLES / name))
     spec = attrs.evolve(job.spec, **changes)
     example = split_for_rank(job, global_batch(job, 0), world, 0, 0)
     return sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
-                   world_size=world)
+                   world_size=world, evaluate=evaluate)
 
 
 def assert_same_as_full_propagation(compiled) -> None:
@@ -87,6 +74,13 @@ def test_strategies_and_training_features_equal_a_full_propagation(strategy):
 
 def test_batch_norm_buffers_equal_a_full_propagation():
     assert_same_as_full_propagation(plan_example("bert.py", 2))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("example", ["gpt.py", "bert.py"])
+def test_evaluation_graph_shapes_equal_a_full_propagation(example, world):
+    """The evaluation graph remembers its trace's shapes too: only the gathers and what reads them re-run."""
+    assert_same_as_full_propagation(plan_example(example, world, evaluate=True))
 
 
 def test_lazy_code_is_the_code_a_recompile_writes():
