@@ -118,7 +118,7 @@ def _is_fake(model: torch.nn.Module) -> bool:
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph: new nodes, each with a shallow copy of its meta.
 
-    Its code is written when first read or run (Note [lazy code] in `compiler.graph_utils`).
+    Its code is written when first read or run (Note [lazy code] in `compiler.lazy_code`).
 
     Passes replace meta entries rather than mutate them, so the copy can be
     compiled while ``gm`` stays as it was.

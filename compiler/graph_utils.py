@@ -1,4 +1,4 @@
-"""Small helpers the passes share: node positions, aliases, tags, insertion.
+"""Small helpers the passes share: node positions, aliases, tags, insertion, the layout of a node's value.
 
 Tags: every node a pass inserts carries ``meta["sl"]``, a dict with at least
 ``kind`` (one of `OpKind`'s values) and ``flat`` (the flat parameter's name).
@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 
 from .trace import Phase, tag_of
 
@@ -122,3 +124,18 @@ def placeholders_by_flat(graph: fx.Graph, inputs) -> dict[str, fx.Node]:
 
     nodes = [n for n in graph.nodes if n.op == "placeholder"]
     return {spec.name: node for spec, node in zip(inputs, nodes) if spec.role is InputRole.FLAT}
+
+
+def tensor_leaves(val) -> list[torch.Tensor]:
+    """The tensors of a node's value (``meta["val"]``: a tensor, a tuple of them, or anything else)."""
+    return [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+
+def storage_key(t: torch.Tensor) -> StorageWeakRef:
+    """What identifies ``t``'s storage: equal for two (fake) tensors exactly when they share one."""
+    return StorageWeakRef(t.untyped_storage())
+
+
+def tensor_layout(t: torch.Tensor) -> tuple:
+    """``t``'s sizes, strides, storage offset, dtype, device and storage bytes (what a propagation must keep)."""
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes())

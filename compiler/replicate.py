@@ -46,10 +46,10 @@ import re
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
+from .graph_utils import storage_key, tensor_layout
 from .lazy_code import graph_module
 from .trace import TracedStep, graph_inputs, trace_step
 
@@ -340,7 +340,7 @@ class _Periodic:
                 continue
             if not isinstance(leaf, FakeTensor):
                 raise NotReplicable("a value is not a fake tensor")
-            owner_node, first = self.owners[StorageWeakRef(leaf.untyped_storage())]
+            owner_node, first = self.owners[storage_key(leaf)]
             owner = (self._key(owner_node, t, j, n), first)  # copies of a block position hold the same leaves
             base = storages.get(owner)
             if base is None:
@@ -359,7 +359,7 @@ def _storage_owners(nodes) -> dict:
     for node in nodes:
         for i, leaf in enumerate(pytree.tree_leaves(node.meta.get("val"))):
             if isinstance(leaf, torch.Tensor):
-                owners.setdefault(StorageWeakRef(leaf.untyped_storage()), (node, i))
+                owners.setdefault(storage_key(leaf), (node, i))
     return owners
 
 
@@ -377,16 +377,18 @@ def _view(base: torch.Tensor, like: FakeTensor) -> FakeTensor:
 
 
 def describe_graph(graph: fx.Graph) -> list:
-    """Node for node what Note [replicated trace] checks: names, ops, targets, arguments, tags, values."""
+    """Node for node what Note [replicated trace] checks: names, ops, targets, arguments, tags, values.
+
+    A value is, per tensor, its `tensor_layout` and its storage numbered in
+    order of first appearance (which values share one).
+    """
     storages: dict = {}
     rows = []
     for node in graph.nodes:
         values = []
         for leaf in pytree.tree_leaves(node.meta.get("val")):
             if isinstance(leaf, torch.Tensor):
-                key = StorageWeakRef(leaf.untyped_storage())
-                values.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
-                               leaf.untyped_storage().nbytes(), storages.setdefault(key, len(storages))))
+                values.append((*tensor_layout(leaf), storages.setdefault(storage_key(leaf), len(storages))))
             else:
                 values.append(repr(leaf))
         args = fx.node.map_arg((node.args, node.kwargs), lambda r: ("node", r.name))

@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .context import CompileContext
+from .graph_utils import storage_key, tensor_layout, tensor_leaves
 from .trace import InputRole
 
 _REMEMBERED = "sl_traced_args"  # GraphModule.meta key: node -> (args, kwargs, target, fresh) as traced
@@ -117,13 +118,11 @@ def _fresh(val, inputs) -> bool:
 
 
 def _same_layout(a, b) -> bool:
-    """Whether two values (tensors, or tuples of them) have the same sizes, strides, dtypes and storage sizes."""
+    """Whether two values (tensors, or tuples of them) have the same `tensor_layout` leaf for leaf."""
     a_leaves, a_spec = pytree.tree_flatten(a)
     b_leaves, b_spec = pytree.tree_flatten(b)
     return a_spec == b_spec and all(
-        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
-        and x.stride() == y.stride() and x.dtype == y.dtype and x.device == y.device
-        and x.storage_offset() == y.storage_offset() and x.untyped_storage().nbytes() == y.untyped_storage().nbytes()
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and tensor_layout(x) == tensor_layout(y)
         for x, y in zip(a_leaves, b_leaves))
 
 
@@ -157,7 +156,7 @@ class _IncrementalProp(FakeTensorProp):
     def _placeholder(self, n: fx.Node, old, remembered):
         given = super().run_node(n)  # the fresh local-size input, as a full propagation makes it
         if remembered is not None and _same_layout(old, given):
-            key = StorageWeakRef(old.untyped_storage())
+            key = storage_key(old)
             if key not in self.input_storages:  # a storage shared with another input must be split, as in full
                 self.input_storages.add(key)
                 n.meta["val"] = old

@@ -42,8 +42,9 @@ def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
         updates = [u for u in full.users if phase_of(u) is Phase.OPTIMIZER]
         if not updates:
             continue  # the optimizer does not touch it (no state, zero lr is still an update: never here)
-        first = min(updates, key=positions(graph).__getitem__)
-        last = max((n for n in graph.nodes if tag_of(n, "flat") == flat.name), key=positions(graph).__getitem__)
+        order = positions(graph)
+        first = min(updates, key=order.__getitem__)
+        last = max((n for n in graph.nodes if tag_of(n, "flat") == flat.name), key=order.__getitem__)
         with graph.inserting_before(first):
             shard = graph.call_function(collectives.local_shard, (full, flat.axis, flat.world))
             shard.meta["custom"] = {"phase": Phase.OPTIMIZER.value, "flat": flat.name}
