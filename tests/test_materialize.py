@@ -288,9 +288,12 @@ def test_plan_and_check_take_a_meta_job_with_a_dtype(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
-def test_a_job_dtype_keeps_tied_weights_tied_under_plan_and_check(tmp_path, capsys, meta):
-    """plan builds under a fake mode, where Module.to(dtype) cannot swap a tied parameter."""
-    from shardlang.cli import main
+def test_a_job_dtype_keeps_tied_weights_tied_under_plan_and_check(tmp_path, capsys, meta, run_on):
+    """plan builds under a fake mode, where Module.to(dtype) cannot swap a tied parameter.
+
+    check's ranks run on the shared worker pools (spawning dominates), at N = 1, 2 and 4.
+    """
+    from shardlang.cli import check, main
 
     job = tmp_path / "tied_job.py"
     device = "torch.device('meta')" if meta else "contextlib.nullcontext()"
@@ -311,5 +314,7 @@ def test_a_job_dtype_keeps_tied_weights_tied_under_plan_and_check(tmp_path, caps
     assert main(["plan", str(job), "--world", "2", "--json"]) == 0
     flats = json.loads(capsys.readouterr().out)["flats"]
     assert sum(f["padded_bytes"] for f in flats) == 16 * 8 * 8  # one float64 copy of the tied weight
-    assert main(["check", str(job), "--world-sizes", "1,2"]) == 0
-    assert "PASS" in capsys.readouterr().out
+    with mock.patch.object(check, "launch", lambda fn, world, *args, **_: run_on(world, fn, *args)):
+        assert main(["check", str(job), "--world-sizes", "1,2,4"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert [(row[0], row[3]) for row in rows] == [("1", "PASS"), ("2", "PASS"), ("4", "PASS")]
