@@ -7,9 +7,7 @@ issued collective runs while the compute between them does (async on gloo's
 threads or on NCCL's stream).
 
 A world of one binds nothing: its collectives are identities and it needs no
-process group at all. Where a gradient's reduction is such an identity, the
-optimizer reads each member's own gradient instead of their packed copy (Note
-[updates from member gradients] in `compiler.member_updates`).
+process group at all.
 
 When the bound graph raises (a collective that timed out, a peer that went
 away), `failing_node` finds the node that raised from the traceback alone, at
@@ -37,7 +35,6 @@ from . import collectives
 from .errors import CompileError
 from .flat import flatten_gradients
 from .graph_utils import sl_tag
-from .member_updates import update_from_member_gradients
 from .placement import WORLD
 
 _c10d = torch.ops._c10d_functional
@@ -53,9 +50,8 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     A group key is a mesh axis (``"fsdp"``), every axis (``"*"``), or several
     axes joined by ``+`` (`MeshShape.group_key`). ``coordinates`` (axis ->
     this rank's coordinate) places `collectives.local_shard`. Collectives over a
-    group of one rank stay the identities they are and need no group; the
-    gradients they would reduce are not packed (`update_from_member_gradients`).
-    With ``group_names=None`` (world size 1) nothing else changes.
+    group of one rank stay the identities they are and need no group. With
+    ``group_names=None`` (world size 1) the graph is returned unchanged.
     ``reduce_scatter_as_all_to_all`` (gloo) lowers reduce-scatters as Note
     [reduce-scatter as all-to-all] says.
 
@@ -66,7 +62,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     """
     if group_names is None:
         _check_unbound_is_local(gm)
-        return update_from_member_gradients(gm)
+        return gm
     bound = copy.deepcopy(gm)
     local: set[fx.Node] = set()  # collectives over one rank, left as identities
     exchanged: dict[fx.Node, tuple[int, object]] = {}  # reduce-scatters lowered to all-to-all: (N, result value)
@@ -110,7 +106,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     _average_in_place(bound.graph)
     bound.graph.lint()
     bound.recompile()
-    return update_from_member_gradients(bound)
+    return bound
 
 
 def _fresh_packed_buffer(buffer) -> bool:

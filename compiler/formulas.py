@@ -22,6 +22,10 @@ Summed over flat parameters this gives the textbook totals: ZERO3 ``M + R``
 (``R <= M``) all-gathered and ``M`` reduce-scattered, ZERO2 and ZERO1 ``M`` and
 ``M``, DDP ``M`` all-reduced.
 
+In a world of one, a flat parameter whose update reads its member gradients
+has no reduction at all (Note [updates from member gradients]): the formula
+counts a reduction only for those the schedule kept, as it reads re-gathers.
+
 An evaluation schedule (`compiler.evaluate`) gathers each ZERO3 / ZERO2 flat
 parameter once, P, and has nothing else: no re-gather, no reduction.
 
@@ -53,11 +57,14 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
     """The formula's payload bytes per rank per step for each flat parameter, by collective kind."""
     sizes = dict(schedule.mesh)
     regathered = {op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL}
+    # Note [updates from member gradients]: in a world of one a gradient may go unpacked and unreduced.
+    elided = set() if schedule.world_size != 1 else {f.name for f in schedule.flats} - {
+        op.flat for op in schedule.ops if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)}
     out = {}
     for f in schedule.flats:
         row = {k.value: 0 for k in COLLECTIVE_KINDS}
         if f.strategy == "ddp" or not f.sharded:
-            if f.trainable and not schedule.is_evaluation:
+            if f.trainable and not schedule.is_evaluation and f.name not in elided:
                 row["all_reduce"] = f.numel * f.element_size
             out[f.name] = row
             continue
@@ -70,10 +77,10 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
         replicas = schedule.world_size // shard_group
         if f.strategy in ("zero3", "zero2"):
             row["all_gather"] = p * (2 if f.name in regathered else 1)
-        if f.trainable:
+        if f.trainable and f.strategy == "zero1":
+            row["all_gather"] = p
+        if f.trainable and f.name not in elided:
             row["reduce_scatter"] = p
-            if f.strategy == "zero1":
-                row["all_gather"] = p
             if replicas > 1:
                 row["all_reduce"] = p // shard_group
         out[f.name] = row

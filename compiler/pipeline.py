@@ -18,6 +18,7 @@ from .errors import CompileError
 from .provenance import failing_node, site_of_node
 from .passes.accumulate_microbatches import accumulate_microbatches
 from .passes.clip_gradients import clip_gradients
+from .passes.elide_local_reductions import elide_local_reductions
 from .passes.gather_parameters import gather_parameters
 from .passes.gather_updated_shards import gather_updated_shards
 from .passes.limit_reductions_in_flight import limit_reductions_in_flight
@@ -44,6 +45,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     limit_reductions_in_flight,
     gather_updated_shards,
     shard_optimizer,
+    elide_local_reductions,
 )
 
 

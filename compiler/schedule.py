@@ -34,6 +34,7 @@ import torch.fx as fx
 from . import collectives
 from .context import CompileContext
 from .graph_utils import alias_closure, sl_tag, unpack_copies
+from .member_updates import written_in_place
 from .placement import WORLD
 from .trace import Phase, phase_of, tag_of
 
@@ -378,12 +379,11 @@ class _Builder:
             used = self.gathered.get(arg)
             if used is not None and used not in seg["uses"]:
                 seg["uses"].append(used)
-        if kind is OpKind.OPTIMIZER and node.args and isinstance(node.args[0], fx.Node):
-            target_schema = getattr(node.target, "_schema", None)
-            if target_schema is not None and target_schema.is_mutable:
-                val = node.args[0].meta.get("val")
-                if isinstance(val, torch.Tensor) and val.dim() > 0:
-                    seg["numel"] = max(seg["numel"], val.numel())
+        written = written_in_place(node) if kind is OpKind.OPTIMIZER else None
+        if isinstance(written, fx.Node):
+            val = written.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() > 0:
+                seg["numel"] = max(seg["numel"], val.numel())
 
     def close_segment(self) -> None:
         seg, self.segment = self.segment, None

@@ -123,6 +123,8 @@ def _check_reductions(schedule: Schedule) -> None:
                 raise ScheduleError(f"frozen {flat.name} has its gradient reduced at op {ops[0].index}")
             continue
         if not ops:
+            if schedule.world_size == 1:
+                continue  # Note [updates from member gradients]: nothing to sum, the update reads member gradients
             raise ScheduleError(f"trainable {flat.name} has its gradient reduced 0 times, expected once")
         for microbatch in sorted({op.microbatch for op in ops}, key=lambda m: -1 if m is None else m):
             _check_sums_over_every_rank(schedule, flat, [op for op in ops if op.microbatch == microbatch])

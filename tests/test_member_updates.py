@@ -3,33 +3,40 @@
 One process, no process group: the rewritten step must train to the bit like
 the step that packs (and so like one process, which tests/test_parity.py checks
 at N = 1, 2 and 4), and the rewrite must happen exactly where every reader of
-the packed gradient is an in-place elementwise op.
+the packed gradient is an in-place elementwise op. The rewrite is a pass
+(`passes.elide_local_reductions`), so the plan is read off the graph that runs.
 """
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import pytest
 import torch
 
 import shardlang as sl
+from shardlang import api
 from shardlang.batch import split_batch
-from shardlang.compiler import emit
+from shardlang.compiler.compile import compile_step
 from shardlang.compiler.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from shardlang.compiler.member_updates import update_members_
+from shardlang.compiler.passes.elide_local_reductions import elide_local_reductions
+from shardlang.compiler.pipeline import DEFAULT_PASSES
 
 import parity
 from models import CASES
 
 STEPS = 3
+PACKING = tuple(p for p in DEFAULT_PASSES if p is not elide_local_reductions)  # the pipeline without the rewrite
 
 
 def _train(case_name: str, optimizer: str, rewrite: bool, strategy: str = "ZeRO3", **options):
     case = CASES[case_name]
     spec = sl.Spec(mesh=sl.Mesh(fsdp=1), units=case.units, options=sl.Options(**options),
                    strategies=[("*", getattr(sl, strategy))])
-    patch = mock.patch.object(emit, "update_from_member_gradients", lambda gm: gm) if not rewrite else mock.MagicMock()
+    patch = (mock.patch.object(api, "compile_step", functools.partial(compile_step, passes=PACKING)) if not rewrite
+             else mock.MagicMock())
     with patch:
         step = sl.compile(case.build(torch.float64), case.loss_fn, spec, optimizer=parity.OPTIMIZERS[optimizer][0](),
                           example_batch=split_batch(case.make_batch(0, torch.float64), 1, 0), check_each_pass=True)
@@ -73,7 +80,39 @@ def test_other_readers_keep_the_pack(options):
     assert losses == packed_losses
     assert all(torch.equal(params[n], packed[n]) for n in params)
     assert update_members_ not in _targets(step)
-    assert step.graph is step.compiled.graph_module  # nothing rewritten: not even a copy
+    assert _targets(step) == _targets(packed_step)  # nothing rewritten
+
+
+def test_the_plan_describes_the_rewritten_step():
+    """The schedule is read off the graph that runs: no pack, reduction or wait for a flat whose update reads
+    member gradients, and the formulas and the verifier (run by compile) agree."""
+    packed_step, _, _ = _train("gpt_tiny", "adamw", rewrite=False)
+    step, _, _ = _train("gpt_tiny", "adamw", rewrite=True)
+    assert step.graph is step.compiled.graph_module  # a world of one binds nothing: the plan's graph runs
+
+    def kinds(s):
+        return [op.kind.value for op in s.compiled.schedule.ops]
+    assert "reduce_scatter" in kinds(packed_step)
+    assert "reduce_scatter" not in kinds(step) and "all_reduce" not in kinds(step)
+    assert kinds(step).count("wait") == kinds(packed_step).count("wait") - kinds(packed_step).count("reduce_scatter")
+    summary = step.compiled.schedule.summary
+    assert summary.bytes_per_rank["reduce_scatter"] == 0 < packed_step.compiled.schedule.summary.bytes_per_rank[
+        "reduce_scatter"]
+
+
+def test_rewritten_updates_keep_the_names_of_the_ops_they_replace():
+    """Each `update_members_` node has the name of the in-place op it runs, so the N = 1 schedule's optimizer
+    ops, and the ranges a profiled run names after them, name the same nodes as without the rewrite."""
+    packed_step, _, _ = _train("gpt_tiny", "adamw", rewrite=False)
+    step, _, _ = _train("gpt_tiny", "adamw", rewrite=True)
+    packed = {n.name: n.target for n in packed_step.graph.graph.nodes}
+    rewritten = [n for n in step.graph.graph.nodes if n.target is update_members_]
+    assert rewritten
+    assert all(packed.get(n.name) is n.args[0] for n in rewritten), [n.name for n in rewritten]
+
+    def optimizer_nodes(s):
+        return [op.node_names for op in s.compiled.schedule.ops if op.kind.value == "optimizer"]
+    assert optimizer_nodes(step) == optimizer_nodes(packed_step)
 
 
 def test_update_members_runs_the_op_on_each_slice():
