@@ -55,6 +55,11 @@ def update_members_(op, spans: tuple, roles: tuple, kwargs: dict, n_args: int, *
     return args[0]
 
 
+def member_gradients_of(node: fx.Node) -> tuple:
+    """The member gradients an `update_members_` node reads (the memory plan counts them as gradients)."""
+    return node.args[_VALUES + node.args[4]:]
+
+
 def written_in_place(node: fx.Node):
     """The argument an in-place node writes: ``args[0]`` of a mutable aten op, the flat one of `update_members_`.
 

@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 
 from . import collectives
 from .graph_utils import sl_tag
+from .member_updates import member_gradients_of, update_members_
 from .schedule import COLLECTIVE_KINDS, Schedule
 from .schedule_format import human_bytes
 from .trace import GraphInput, InputRole, Phase, phase_of, tag_of
@@ -413,10 +414,14 @@ class _Simulator:
                 continue
             for key, _ in _storages(node.meta.get("val")):
                 category.setdefault(key, _node_category(node))
-        for node in self.nodes:  # what a gradient reduction packs is a parameter gradient
-            if sl_tag(node).get("kind") != "pack":
+        for node in self.nodes:  # what a reduction packs, or an update reads by member, is a parameter gradient
+            if sl_tag(node).get("kind") == "pack":
+                gradients = node.all_input_nodes
+            elif node.target is update_members_:  # Note [updates from member gradients]
+                gradients = [g for g in member_gradients_of(node) if isinstance(g, fx.Node)]
+            else:
                 continue
-            for arg in node.all_input_nodes:
+            for arg in gradients:
                 for key, _ in _storages(arg.meta.get("val")):
                     if category.get(key) in (Category.TEMPORARIES, Category.ACTIVATIONS):
                         category[key] = Category.GRADIENT_BUFFERS

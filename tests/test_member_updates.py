@@ -21,6 +21,7 @@ from shardlang.batch import split_batch
 from shardlang.compiler.compile import compile_step
 from shardlang.compiler.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from shardlang.compiler.member_updates import update_members_
+from shardlang.compiler.memory import plan_memory
 from shardlang.compiler.passes.elide_local_reductions import elide_local_reductions
 from shardlang.compiler.pipeline import DEFAULT_PASSES
 
@@ -98,6 +99,11 @@ def test_the_plan_describes_the_rewritten_step():
     summary = step.compiled.schedule.summary
     assert summary.bytes_per_rank["reduce_scatter"] == 0 < packed_step.compiled.schedule.summary.bytes_per_rank[
         "reduce_scatter"]
+    # The memory plan counts the member gradients, alive until their updates, as gradients (not temporaries).
+    compiled = step.compiled
+    memory = plan_memory(compiled.graph_module, compiled.schedule, compiled.context.inputs)
+    gradients = sum(p.numel() * p.element_size() for p in CASES["gpt_tiny"].build(torch.float64).parameters())
+    assert max(op.breakdown.get("gradient_buffers", 0) for op in memory.ops) >= gradients
 
 
 def test_rewritten_updates_keep_the_names_of_the_ops_they_replace():

@@ -167,6 +167,17 @@ def test_verifier_catches_a_gradient_reduced_twice(good):
         sl.verify(attrs.evolve(good, ops=tuple(attrs.evolve(op, index=i) for i, op in enumerate(twice))))
 
 
+def test_verifier_catches_a_gradient_never_reduced_unless_the_world_is_one(good):
+    """Only a world of one may leave a trainable gradient unreduced (Note [updates from member gradients])."""
+    rs = next(op for op in good.ops if op.kind is OpKind.REDUCE_SCATTER)
+    unreduced = broken(good, drop=lambda op: op.handle == rs.handle)
+    with pytest.raises(sl.ScheduleError, match=f"trainable {rs.flat} has its gradient reduced 0 times"):
+        sl.verify(unreduced)
+    one = plan_case("gpt_tiny", 1).schedule
+    assert not [op for op in one.ops if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)]
+    sl.verify(one)
+
+
 def test_verifier_catches_an_optimizer_touching_the_whole_parameter(good):
     whole = broken(good, replace=lambda op: attrs.evolve(op, numel=op.numel * 4) if op.kind is OpKind.OPTIMIZER
                    else op)
