@@ -135,13 +135,18 @@ def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, ch
         trained = _compile(model, loss_fn, spec, optimizer, example_batch, world_size, False, None)
         flats, prefetch = trained.flats, trained.context.prefetch
     else:
-        flats = step_flats(resolved.params, resolved.mesh, reshard_after_forward=options.reshard_after_forward,
-                           param_dtype=_precision(options, "param_dtype"),
-                           reduce_dtype=_precision(options, "reduce_dtype"), training=training_of(resolved),
-                           bucket_bytes=options.bucket_bytes)
+        flats = step_flats(resolved.params, resolved.mesh, **_flat_options(resolved))
         prefetch = options.prefetch
     return compile_eval(model, loss_fn, flats, resolved.mesh, example_batch, prefetch=prefetch,
                         check_each_pass=check_each_pass)
+
+
+def _flat_options(resolved) -> dict:
+    """`step_flats`' options from a resolved spec (`compile_step` takes them too): one flat layout for both."""
+    options = resolved.options
+    return {"reshard_after_forward": options.reshard_after_forward,
+            "param_dtype": _precision(options, "param_dtype"), "reduce_dtype": _precision(options, "reduce_dtype"),
+            "training": training_of(resolved), "bucket_bytes": options.bucket_bytes}
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
@@ -157,16 +162,12 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     _check_loss_fn(loss_fn)
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
-    training = training_of(resolved)
+    flat_options = _flat_options(resolved)
 
     def at(recompute, prefetch: int, traced=None, *, batch=example_batch, buffers=None, tied=None,
            dump_dir=dump_dir) -> CompiledStep:
         return compile_step(
-            model, loss_fn, resolved.params, resolved.mesh, optimizer, batch,
-            reshard_after_forward=resolved.options.reshard_after_forward, prefetch=prefetch,
-            param_dtype=_precision(resolved.options, "param_dtype"),
-            reduce_dtype=_precision(resolved.options, "reduce_dtype"),
-            training=training, bucket_bytes=resolved.options.bucket_bytes,
+            model, loss_fn, resolved.params, resolved.mesh, optimizer, batch, **flat_options, prefetch=prefetch,
             recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
             buffers=buffers, tied=tied, backend=resolved.options.backend,
         )
