@@ -32,12 +32,10 @@ from torch.utils import _pytree as pytree
 
 from .batch import batch_leaves
 from .compiler.compile import CompiledStep
-from .compiler.emit import bind, group_keys
 from .compiler.evaluate import compile_eval
 from .compiler.schedule import Schedule
 from .errors import ShardlangRuntimeError
 from .runtime.dist import DistContext
-from .runtime.groups import mesh_groups
 from .state import TrainState
 
 
@@ -56,18 +54,15 @@ class Evaluation:
     """
 
     def __init__(self, compiled: CompiledStep, state: TrainState, ctx: DistContext,
-                 coordinate: dict[str, int]):
+                 bind: Callable[[CompiledStep], torch.fx.GraphModule]):
         self.compiled = compiled
         self.state = state
         self.dist = ctx
-        names = None
         if ctx.has_process_group:
             from .step import _check_same_schedule  # one check for every graph a step runs
 
             _check_same_schedule(compiled.schedule, ctx)
-            groups = mesh_groups(compiled.context.mesh, group_keys(compiled.graph_module), ctx.rank)
-            names = {key: group.group_name for key, group in groups.items()}
-        self._graph = bind(compiled.graph_module, names, coordinate)
+        self._graph = bind(compiled)  # on the step's own process groups (its gathers' axes are among them)
 
     @property
     def schedule(self) -> Schedule:
@@ -128,8 +123,11 @@ class Evaluations:
         return self._key(batch, fn or self.loss_fn) in self._bound
 
     def get(self, batch, fn: Callable | None, state: TrainState, ctx: DistContext,
-            coordinate: dict[str, int]) -> Evaluation:
-        """The bound graph for ``fn`` (default: the loss) and ``batch``'s shapes, compiled on first use."""
+            bind: Callable[[CompiledStep], torch.fx.GraphModule]) -> Evaluation:
+        """The bound graph for ``fn`` (default: the loss) and ``batch``'s shapes, compiled on first use.
+
+        ``bind`` is the step's (`Step._bind`): its process groups, mesh coordinate and collective lowering.
+        """
         fn = fn or self.loss_fn
         if fn is None:
             raise ShardlangRuntimeError("this step was made without a loss function; pass evaluate(batch, fn=...) "
@@ -139,7 +137,7 @@ class Evaluations:
         if evaluation is None:
             context = self.training.context
             compiled = compile_eval(self.module, fn, context.flats, context.mesh, batch, prefetch=context.prefetch)
-            evaluation = self._bound[key] = Evaluation(compiled, state, ctx, coordinate)
+            evaluation = self._bound[key] = Evaluation(compiled, state, ctx, bind)
         return evaluation
 
     @staticmethod

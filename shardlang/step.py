@@ -151,7 +151,7 @@ class Step:
         if self._evaluations is None:
             raise ShardlangRuntimeError("this step was made from a TrainState without its module; evaluation "
                                         "needs the module's structure: make the step with sl.compile")
-        return self._evaluations.get(batch, fn, self.state, self.dist, self._mesh_coordinate())
+        return self._evaluations.get(batch, fn, self.state, self.dist, self._bind)
 
     def has_evaluation(self, batch, fn=None) -> bool:
         """Whether the evaluation graph for ``fn`` and ``batch``'s shapes is compiled already."""
