@@ -6,7 +6,6 @@ launcher's worker processes import them by name.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 

@@ -16,7 +16,7 @@ import pytest
 import shardlang as sl
 from shardlang.batch import split_batch
 from shardlang.cli import main
-from shardlang.compiler.cost import CostModel, op_name
+from shardlang.compiler.cost import op_name
 from shardlang.compiler.plan_diff import diff_plans
 from shardlang.compiler.plan_report import communication_check, make_plan
 from shardlang.compiler.timeline import LANES, chrome_trace
