@@ -84,7 +84,8 @@ def reference(case_name: str, optimizer: str, dtype: str, steps: int):
         batch = case.make_batch(EVAL_STEP, dt)
         loss, out = float(case.loss_fn(model, batch)), outputs(model, batch)["out"]
     model.train()
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same dropout masks whatever ran before in this process (else by chance close)
         train_mode_loss = float(case.loss_fn(model, batch))
     train_step(steps)
     return loss, out, losses, train_mode_loss
