@@ -107,7 +107,11 @@ class ComputeModel:
             return 0.0
         if is_alias_op(node):
             return self.view_overhead_s
-        return self.op_overhead_s + max(node_flops(node) / self.flops_per_s, node_bytes(node) / self.bytes_per_s)
+        return self.kernel_time(node_flops(node), node_bytes(node))
+
+    def kernel_time(self, flops: int, nbytes: int) -> float:
+        """Seconds of one kernel: its launch overhead, then the slower of its arithmetic and its memory traffic."""
+        return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
 
 
 # The presets. docs/plan.md ("The knobs") gives the sources and measurements behind every number.
@@ -313,7 +317,7 @@ class FusionPlan:
                 return 0.0
             moved = _tensor_bytes(node.meta.get("val")) + sum(_tensor_bytes(a.meta.get("val"))
                                                                for a in self._region_inputs(node))
-            return model.op_overhead_s + max(node_flops(node) / model.flops_per_s, moved / model.bytes_per_s)
+            return model.kernel_time(node_flops(node), moved)
 
         return time
 
