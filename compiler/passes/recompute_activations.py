@@ -77,16 +77,43 @@ def recompute_activations(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     if not policies:
         return gm
     graph = gm.graph
-    regions: dict[tuple[str, object], list[fx.Node]] = {}
-    for node in graph.nodes:
-        unit = tag_of(node, "unit")
-        if unit in policies and _is_forward_compute(node):
-            regions.setdefault((unit, tag_of(node, "microbatch")), []).append(node)
-    for (unit, _microbatch), nodes in regions.items():
+    for (unit, _microbatch), nodes in _regions(graph, policies).items():
         _recompute_region(graph, unit, nodes, policies[unit])
     graph.lint()
     gm.recompile()
     return gm
+
+
+def recomputed_nodes(gm: fx.GraphModule, policies: dict[str, Recompute]) -> dict[str, list[fx.Node]]:
+    """Per unit, the forward nodes this pass would copy under ``policies``, read off a graph compiled without them.
+
+    The memory budget's search (`compiler.budget`) sums their cost to bound
+    what recompute adds to a step before compiling it. Example:
+    ``recomputed_nodes(step.graph_module, {"layers.0": Recompute.FULL})["layers.0"]``.
+    """
+    out: dict[str, list[fx.Node]] = {unit: [] for unit in policies}
+    for (unit, _microbatch), nodes in _regions(gm.graph, policies).items():
+        out[unit].extend(_copied(nodes, policies[unit])[1])
+    return out
+
+
+def _regions(graph: fx.Graph, policies: dict[str, Recompute]) -> dict[tuple[str, object], list[fx.Node]]:
+    """The forward compute nodes of each recomputed unit, by (unit, micro-batch), in graph order."""
+    regions: dict[tuple[str, object], list[fx.Node]] = {}
+    for node in graph.nodes:
+        unit = tag_of(node, "unit")
+        if unit in policies and policies[unit] is not Recompute.NONE and _is_forward_compute(node):
+            regions.setdefault((unit, tag_of(node, "microbatch")), []).append(node)
+    return regions
+
+
+def _copied(nodes: list[fx.Node], policy: Recompute) -> tuple[list[fx.Node], set[fx.Node]]:
+    """Of one region: the internal values backward reads that ``policy`` does not keep, and all it must copy."""
+    region = set(nodes)
+    internal = {n for n in nodes if all(u in region or phase_of(u) is not Phase.FORWARD for u in n.users)}
+    kept = (lambda n: saved_by_selective(n)) if policy is Recompute.SELECTIVE else (lambda n: False)  # noqa: E731
+    read_by_backward = [n for n in nodes if n in internal and not kept(n) and any(_is_backward(u) for u in n.users)]
+    return read_by_backward, (_needed(read_by_backward, internal, kept) if read_by_backward else set())
 
 
 def _is_forward_compute(node: fx.Node) -> bool:
@@ -95,13 +122,9 @@ def _is_forward_compute(node: fx.Node) -> bool:
 
 def _recompute_region(graph: fx.Graph, unit: str, nodes: list[fx.Node], policy: Recompute) -> None:
     """Copy what backward reads of one unit's forward (one micro-batch), before the first backward reader."""
-    region = set(nodes)
-    internal = {n for n in nodes if all(u in region or phase_of(u) is not Phase.FORWARD for u in n.users)}
-    kept = (lambda n: saved_by_selective(n)) if policy is Recompute.SELECTIVE else (lambda n: False)  # noqa: E731
-    read_by_backward = [n for n in nodes if n in internal and not kept(n) and any(_is_backward(u) for u in n.users)]
+    read_by_backward, copied = _copied(nodes, policy)
     if not read_by_backward:
         return
-    copied = _needed(read_by_backward, internal, kept)
     order = positions(graph)
     _check_mutations(unit, copied, order)
     anchor = min((u for n in read_by_backward for u in n.users if _is_backward(u)), key=order.__getitem__)

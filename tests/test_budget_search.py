@@ -1,0 +1,95 @@
+"""The memory budget's search (compiler/budget.py) chooses what a linear search over every k chooses.
+
+The reference below is the search without its shortcuts (the interpolated
+start and Note [policy floor]'s skip): for "selective" and "full" it compiles
+every k from 0 to n (the first k units take the policy) and keeps the least k
+that fits, takes the fastest fitting configuration, then deepens prefetch while
+it fits and is faster. On a tiny Llama of 6 layers at N = 1, 2 and 4, with
+budgets between the plan that keeps everything and full recompute on every
+layer (so the choice mixes a policy on some units with none on the others),
+both must choose the same configuration with the same peak and predicted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import models
+import shardlang as sl
+import shardlang.api as api
+from shardlang.batch import split_batch
+from shardlang.compiler.budget import fit_budget
+from shardlang.compiler.cost import CostModel
+from shardlang.compiler.placement import Recompute
+
+LAYERS = 6
+
+
+def linear_choice(budget: int, compile_at, units, base_prefetch: int, max_prefetch: int, fixed: dict):
+    """(recompute, prefetch, peak, step time) of the fastest fitting configuration, every k compiled."""
+    model = CostModel()
+
+    def measure(policy, k, depth):
+        step = compile_at({**{u: policy for u in units[:k]}, **fixed}, depth)
+        return step.memory.peak, model.predict(step.schedule, step.graph_module).step_time_s
+
+    found = [(Recompute.NONE, 0, base_prefetch, *measure(Recompute.NONE, 0, base_prefetch))]
+    if found[0][3] > budget:
+        for policy in (Recompute.SELECTIVE, Recompute.FULL):
+            least = next((k for k in range(len(units) + 1) if measure(policy, k, base_prefetch)[0] <= budget), None)
+            if least is not None:
+                found.append((policy, least, base_prefetch, *measure(policy, least, base_prefetch)))
+    fitting = [c for c in found if c[3] <= budget]
+    assert fitting, "the test's budget must fit some configuration"
+    best = min(fitting, key=lambda c: c[4])
+    for depth in range(best[2] + 1, max_prefetch + 1):
+        deeper = (best[0], best[1], depth, *measure(best[0], best[1], depth))
+        if deeper[3] > budget or deeper[4] >= best[4]:
+            break
+        best = deeper
+    shown = {u: best[0].value for u in units[:best[1]]} if best[0] is not Recompute.NONE else {}
+    return {**shown, **{u: p.value for u, p in fixed.items()}}, best[2], best[3], best[4]
+
+
+def plan(world: int, budget=None, recompute=None):
+    llama = models.load_llama_module()
+    config = dataclasses.replace(llama.LlamaConfig(), n_layers=LAYERS)
+    spec = sl.Spec(sl.Mesh(fsdp=world), units=["layers.*"], recompute=recompute,
+                   options=sl.Options(memory_budget=budget))
+    batch = split_batch(models.llama_batch(0), world, 0)
+    return sl.plan(lambda: llama.Llama(config), llama.loss_fn, spec, example_batch=batch, world_size=world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world):
+    kept = plan(world).memory.peak
+    full = plan(world, recompute=[("layers.*", "full")]).memory.peak
+    runs = []
+
+    def both(budget, compile_at, units, **kwargs):
+        calls = []
+
+        def counted(recompute, depth):
+            calls.append((tuple(sorted((u, p.value) for u, p in recompute.items())), depth))
+            return compile_at(recompute, depth)
+
+        step, choice = fit_budget(budget, counted, units, **kwargs)
+        searched = set(calls)
+        reference = linear_choice(budget, compile_at, units, kwargs["base_prefetch"], kwargs["max_prefetch"],
+                                  kwargs["fixed"])
+        runs.append((choice, reference, searched))
+        return step, choice
+
+    monkeypatch.setattr(api, "fit_budget", both)
+    for fraction in (0.3, 0.6, 0.9):  # of the way from full recompute's peak to the peak that keeps everything
+        budget = int(full + fraction * (kept - full))
+        chosen = plan(world, budget=budget)
+        choice, (recompute, prefetch, peak, time_s), searched = runs[-1]
+        assert (dict(choice.chosen.recompute), choice.chosen.prefetch) == (recompute, prefetch), budget
+        assert choice.chosen.peak == peak == chosen.memory.peak <= budget
+        assert choice.chosen.step_time_s == time_s
+        assert 0 < len(choice.chosen.recompute) < LAYERS + 2  # a mix: some units recompute, others do not
+        assert len(choice.tried) == len(searched)
