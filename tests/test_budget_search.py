@@ -22,15 +22,18 @@ import shardlang as sl
 import shardlang.api as api
 from shardlang.batch import split_batch
 from shardlang.compiler.budget import fit_budget
-from shardlang.compiler.cost import CostModel
+from shardlang.compiler.cost import ComputeModel, CostModel
 from shardlang.compiler.placement import Recompute
 
 LAYERS = 6
 
 
-def linear_choice(budget: int, compile_at, units, base_prefetch: int, max_prefetch: int, fixed: dict):
+#: Compute-bound (no per-op overhead): "full" recompute costs more than "selective", as at 70B.
+COMPUTE_BOUND = CostModel(compute=ComputeModel("compute-bound", flops_per_s=1e6, bytes_per_s=1e9))
+
+
+def linear_choice(budget: int, compile_at, units, base_prefetch: int, max_prefetch: int, fixed: dict, model):
     """(recompute, prefetch, peak, step time) of the fastest fitting configuration, every k compiled."""
-    model = CostModel()
 
     def measure(policy, k, depth):
         step = compile_at({**{u: policy for u in units[:k]}, **fixed}, depth)
@@ -64,7 +67,8 @@ def plan(world: int, budget=None, recompute=None):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world):
+@pytest.mark.parametrize("model", [CostModel(), COMPUTE_BOUND], ids=["default", "compute-bound"])
+def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world, model):
     kept = plan(world).memory.peak
     full = plan(world, recompute=[("layers.*", "full")]).memory.peak
     runs = []
@@ -76,10 +80,10 @@ def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world):
             calls.append((tuple(sorted((u, p.value) for u, p in recompute.items())), depth))
             return compile_at(recompute, depth)
 
-        step, choice = fit_budget(budget, counted, units, **kwargs)
+        step, choice = fit_budget(budget, counted, units, cost_model=model, **kwargs)
         searched = set(calls)
         reference = linear_choice(budget, compile_at, units, kwargs["base_prefetch"], kwargs["max_prefetch"],
-                                  kwargs["fixed"])
+                                  kwargs["fixed"], model)
         runs.append((choice, reference, searched))
         return step, choice
 
@@ -93,3 +97,19 @@ def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world):
         assert choice.chosen.step_time_s == time_s
         assert 0 < len(choice.chosen.recompute) < LAYERS + 2  # a mix: some units recompute, others do not
         assert len(choice.tried) == len(searched)
+
+
+def test_policy_floor_is_below_every_full_configuration():
+    """Note [policy floor]'s bound, at the least k that could fit, is at most each fitting full plan's time."""
+    world = 2
+    none = plan(world)
+    memory, timeline = none.memory, COMPUTE_BOUND.predict(none.schedule, none.graph_module)
+    units = [f"layers.{i}" for i in range(LAYERS)]
+    from shardlang.compiler.budget import _policy_floor
+
+    for k in range(1, LAYERS + 1):
+        step = plan(world, recompute=[(u, "full") for u in units[:k]])
+        budget = step.memory.peak
+        floor = _policy_floor(none, memory, timeline, Recompute.FULL, units, budget, COMPUTE_BOUND)
+        time_s = COMPUTE_BOUND.predict(step.schedule, step.graph_module).step_time_s
+        assert timeline.step_time_s < floor <= time_s
