@@ -18,18 +18,25 @@ the number of units:
 
 Note [policy floor]: before searching "full", the search bounds from below
 what any fitting "full" configuration could predict, and skips the policy when
-the bound is no faster than a fitting configuration already found (at 80
-layers "full" costs four compiles and loses by 14%). Recomputing unit u can
-lower the peak by at most the bytes u keeps without recompute (the memory
-plan's per-unit rows), so no k below the least one whose kept bytes cover the
-excess fits; and a step is predicted at least its compute (waits only add),
-which the cost model sums over nodes: the first configuration's, plus those of
-the forward nodes the recompute pass would copy for the first k units
-(`recomputed_nodes`, the same selection as the pass; the copies cost what
-their originals do). Both grow with k, so the bound at that k holds at the
-least k that fits, and the choice is the same as without the skip (a tie goes
-to the policy found first either way). With the fused cost model (not a sum
-over nodes) nothing is skipped.
+the bound is no faster than a fitting configuration already found (a "full"
+search costs about four compiles). The bound is the larger of two:
+  - the first configuration's predicted step (no recompute, the same depth):
+    the cost model plays the ops in a fixed order, each starting when its
+    inputs and its lane are free, so the compute that recompute adds can
+    delay ops but never advance one. This is the bound that holds when the
+    step is communication-bound (the 70B plan: "selective" there is predicted
+    as fast as keeping everything, so nothing can beat it);
+  - its compute plus the compute of what recompute would copy: recomputing
+    unit u lowers the peak by at most the bytes u keeps (the memory plan's
+    per-unit rows), so no k below the least one whose kept bytes cover the
+    excess fits, and a step is predicted at least its compute (waits only
+    add), which the cost model sums over nodes. The copies of the first k
+    units (`recomputed_nodes`, the pass's own selection) cost what their
+    originals do. This bound grows with k, so it holds at the least k that
+    fits.
+The choice is the same as without the skip (a tie goes to the policy found
+first either way). With the fused cost model (fusion is not a sum over nodes,
+and recompute can change what fuses) nothing is skipped.
 
 The chosen configuration is the fitting one of least predicted time; the
 runner-up is the next best. When nothing fits, `BudgetError` says by how much
@@ -196,7 +203,8 @@ def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str
         k += 1
     copies = recomputed_nodes(step.graph_module, {u: policy for u in units[:k]})
     node_time = cost_model.compute.node_time
-    return timeline.compute_s + sum(node_time(n) for nodes in copies.values() for n in nodes)
+    compute = timeline.compute_s + sum(node_time(n) for nodes in copies.values() for n in nodes)
+    return max(timeline.step_time_s, compute)
 
 
 def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:

@@ -99,17 +99,18 @@ def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world, 
         assert len(choice.tried) == len(searched)
 
 
-def test_policy_floor_is_below_every_full_configuration():
+@pytest.mark.parametrize("model", [CostModel(), COMPUTE_BOUND], ids=["default", "compute-bound"])
+def test_policy_floor_is_below_every_full_configuration(model):
     """Note [policy floor]'s bound, at the least k that could fit, is at most each fitting full plan's time."""
     world = 2
     none = plan(world)
-    memory, timeline = none.memory, COMPUTE_BOUND.predict(none.schedule, none.graph_module)
+    memory, timeline = none.memory, model.predict(none.schedule, none.graph_module)
     units = [f"layers.{i}" for i in range(LAYERS)]
     from shardlang.compiler.budget import _policy_floor
 
     for k in range(1, LAYERS + 1):
         step = plan(world, recompute=[(u, "full") for u in units[:k]])
         budget = step.memory.peak
-        floor = _policy_floor(none, memory, timeline, Recompute.FULL, units, budget, COMPUTE_BOUND)
-        time_s = COMPUTE_BOUND.predict(step.schedule, step.graph_module).step_time_s
-        assert timeline.step_time_s < floor <= time_s
+        floor = _policy_floor(none, memory, timeline, Recompute.FULL, units, budget, model)
+        time_s = model.predict(step.schedule, step.graph_module).step_time_s
+        assert timeline.step_time_s <= floor <= time_s
