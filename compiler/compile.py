@@ -24,7 +24,7 @@ from .lazy_code import graph_module
 from .pipeline import DEFAULT_PASSES, run_passes
 from .placement import MeshShape, ParamInfo, Recompute, Strategy
 from .schedule import Schedule, read_schedule
-from .shapes import remember_shapes
+from .shapes import remember_shapes, shape_memo
 from .replicate import trace_step_replicated
 from .trace import TensorShape, TracedStep, trace_step
 from .optim import GroupedOptimizer
@@ -102,7 +102,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                          prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
     check = structural_check if check_each_pass else None
     gm = copy_graph_module(traced.graph_module)
-    remember_shapes(gm)  # Note [incremental shapes]: the passes' shape propagation re-runs only what changed
+    # Note [incremental shapes], Note [shape memo]: shape propagation re-runs only what changed, once per trace
+    remember_shapes(gm, shape_memo(traced.graph_module))
     gm = run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)

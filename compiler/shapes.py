@@ -25,6 +25,22 @@ stops (the matmul reading a re-gathered weight). The result is the same as
 share a storage), which tests/test_incremental_shapes.py checks on the examples.
 Where nothing was remembered (a graph `remember_shapes` never saw) every node
 is new, so the same propagation runs every node, in a new fake mode.
+
+Note [shape memo]: the memory budget compiles one trace under several option
+sets, and what differs between them (recompute, prefetch) leaves most re-run
+nodes alike: a gather of a flat parameter reads the same local-size input each
+time, and the matmuls of backward read the same gathered weight. A `ShapeMemo`,
+kept with the trace and shared by its compiles, holds for each op run so far
+(its target and arguments, with each node replaced by the very value it had)
+the values it made, and the local-size inputs by placeholder. A node whose op
+and input values are in the memo takes a value made then, without dispatch:
+the same op on the same fake tensors makes the same sizes, strides and storage
+relations. Several nodes of one graph can ask for the same op on the same
+values (the forward and backward gathers of one flat parameter): the memo keeps
+every value made for a key, and a value already given to a node in this
+propagation (the memo's, the trace's or an input) goes to no other node, but to
+an in-place op on it. Without a value left, the node runs and its value joins
+the memo.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from .graph_utils import storage_key, tensor_layout, tensor_leaves
 from .trace import InputRole
 
 _REMEMBERED = "sl_traced_args"  # GraphModule.meta key: node -> (args, kwargs, target, fresh) as traced
+_MEMO = "sl_shape_memo"  # GraphModule.meta key: the `ShapeMemo` of a trace and its compiles
 
 
 def local_numel(ctx: CompileContext, flat_name: str) -> int:
@@ -54,7 +71,24 @@ def held_numel(ctx: CompileContext, flat_name: str) -> int:
     return ctx.flat(flat_name).storage_numel
 
 
-def remember_shapes(gm: fx.GraphModule) -> None:
+class ShapeMemo:
+    """Values made by earlier propagations of graphs from one trace (Note [shape memo]).
+
+    Example: ``remember_shapes(gm, memo=shape_memo(traced_gm))`` before the
+    passes; the compiles of one trace then share it.
+    """
+
+    def __init__(self):
+        self.values: dict[tuple, list[tuple]] = {}  # op key -> [(input values, value, meta value)]
+        self.inputs: dict[tuple, torch.Tensor] = {}  # (placeholder, size, dtype, device) -> local input
+
+
+def shape_memo(traced: fx.GraphModule) -> ShapeMemo:
+    """The memo kept with ``traced`` (a trace's own graph), made on first use."""
+    return traced.meta.setdefault(_MEMO, ShapeMemo())
+
+
+def remember_shapes(gm: fx.GraphModule, memo: ShapeMemo | None = None) -> None:
     """Note each node's arguments and whether its value is fresh, for `propagate_shapes` (Note [incremental shapes]).
 
     Kept in ``gm.meta`` by node: a node a pass makes (a copy too, whose
@@ -62,6 +96,8 @@ def remember_shapes(gm: fx.GraphModule) -> None:
     argument gives the node new ``args``, not the tuple noted here.
     """
     remembered = gm.meta[_REMEMBERED] = {}
+    if memo is not None:
+        gm.meta[_MEMO] = memo
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         leaves = pytree.tree_leaves(val)
@@ -75,9 +111,11 @@ def remember_shapes(gm: fx.GraphModule) -> None:
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Refresh ``meta["val"]`` for the local sizes, re-running only what changed since `remember_shapes`."""
     remembered = gm.meta.pop(_REMEMBERED, None) or {}
+    memo = gm.meta.pop(_MEMO, None) or ShapeMemo()
     mode = (pytree.tree_leaves(next(iter(remembered)).meta["val"])[0].fake_mode if remembered
             else FakeTensorMode(allow_non_fake_inputs=True))
-    _IncrementalProp(gm, mode, remembered).propagate_dont_convert_inputs(*_local_inputs(gm, ctx, mode))
+    inputs = _local_inputs(gm, ctx, mode, memo.inputs)
+    _IncrementalProp(gm, mode, remembered, memo).propagate_dont_convert_inputs(*inputs)
     return gm
 
 
@@ -89,8 +127,9 @@ def full_propagation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode) -> list[torch.Tensor]:
-    """A fresh fake tensor of the local size for each input of the graph."""
+def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode,
+                  made: dict | None = None) -> list[torch.Tensor]:
+    """A fake tensor of the local size for each input of the graph: fresh, or the one in ``made`` (a memo's)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for spec, node in zip(ctx.inputs, placeholders):
@@ -101,9 +140,37 @@ def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode)
             shape = (local_numel(ctx, spec.flat),)
         else:
             shape = tuple(old.shape)
-        with mode:
-            inputs.append(torch.empty(shape, dtype=old.dtype, device=old.device))
+        key = (node.name, shape, old.dtype, old.device)
+        if made is None or key not in made:
+            with mode:
+                value = torch.empty(shape, dtype=old.dtype, device=old.device)
+            if made is None:
+                inputs.append(value)
+                continue
+            made[key] = value
+        inputs.append(made[key])
     return inputs
+
+
+def _objects(*values) -> list:
+    """The tensors and tuples among ``values``, and the tensors in those tuples (a node's value may be one)."""
+    out = []
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            out.append(v)
+            out.extend(tensor_leaves(v))
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+def _hashable(args):
+    """``args`` with lists and dicts made tuples, so that it can key a dict."""
+    if isinstance(args, (list, tuple)):
+        return tuple(_hashable(a) for a in args)
+    if isinstance(args, dict):
+        return tuple((k, _hashable(v)) for k, v in args.items())
+    return args
 
 
 def _storage_keys(val) -> list[StorageWeakRef]:
@@ -129,11 +196,13 @@ def _same_layout(a, b) -> bool:
 class _IncrementalProp(FakeTensorProp):
     """`FakeTensorProp` that re-runs only what changed (Note [incremental shapes])."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, remembered: dict):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, remembered: dict, memo: ShapeMemo):
         super().__init__(gm, mode)
         self.remembered = remembered
+        self.memo = memo
         self.changed: set[fx.Node] = set()
         self.input_storages: set[StorageWeakRef] = set()  # the placeholders kept so far
+        self.handed_out: set[int] = set()  # ids of the memo's values given to nodes in this propagation
 
     def run_node(self, n: fx.Node):
         remembered = self.remembered.get(n)
@@ -143,15 +212,47 @@ class _IncrementalProp(FakeTensorProp):
         unchanged = (remembered is not None and n.args is remembered[0] and n.kwargs is remembered[1]
                      and n.target is remembered[2] and not any(a in self.changed for a in n.all_input_nodes))
         if unchanged:
-            return old
-        result = super().run_node(n)
-        new = n.meta.get("val")
-        if (remembered is not None and remembered[3] and _same_layout(old, new)
-                and _fresh(new, [self.env[a] for a in n.all_input_nodes])):
-            n.meta["val"] = old  # a fresh value like the traced one: keep it, readers need not run again
-            return old
-        self.changed.add(n)
-        return result
+            return self._hand_out(old)
+        key, inputs = self._memo_key(n)
+        for made_from, value, meta in self.memo.values.get(key, ()):
+            if self._may_hand_out(made_from, value, meta, inputs):
+                if value is not old:
+                    self.changed.add(n)
+                n.meta["val"] = meta
+                return self._hand_out(value, meta)
+        value = super().run_node(n)
+        meta = n.meta.get("val")
+        if (remembered is not None and remembered[3] and _same_layout(old, meta)
+                and _fresh(meta, [self.env[a] for a in n.all_input_nodes])):
+            value = meta = n.meta["val"] = old  # a fresh value like the traced one: keep it, readers need not run
+        else:
+            self.changed.add(n)
+        if key is not None:
+            self.memo.values.setdefault(key, []).append((inputs, value, meta))
+        return self._hand_out(value, meta)
+
+    def _hand_out(self, value, meta=None):
+        """Note that this propagation gave ``value`` (and its meta snapshot) to a node; return it."""
+        self.handed_out.update(map(id, _objects(value, meta)))
+        return value
+
+    def _memo_key(self, n: fx.Node):
+        """(target, arguments with each node as its value's id), and those values; None when not hashable."""
+        inputs = tuple(self.env[a] for a in n.all_input_nodes)
+        as_ids = lambda a: ("node", id(self.env[a]))  # noqa: E731
+        key = (n.target, _hashable(fx.node.map_arg(n.args, as_ids)), _hashable(fx.node.map_arg(n.kwargs, as_ids)))
+        try:
+            hash(key)
+        except TypeError:
+            return None, inputs
+        return key, inputs
+
+    def _may_hand_out(self, made_from, value, meta, inputs) -> bool:
+        """Whether a memo entry was made from these very inputs and its value is not another node's here."""
+        if len(made_from) != len(inputs) or any(a is not b for a, b in zip(made_from, inputs)):
+            return False
+        own = {id(v) for v in _objects(*inputs)}  # an in-place op returns its input
+        return not any(i in self.handed_out and i not in own for i in map(id, _objects(value, meta)))
 
     def _placeholder(self, n: fx.Node, old, remembered):
         given = super().run_node(n)  # the fresh local-size input, as a full propagation makes it
@@ -160,6 +261,6 @@ class _IncrementalProp(FakeTensorProp):
             if key not in self.input_storages:  # a storage shared with another input must be split, as in full
                 self.input_storages.add(key)
                 n.meta["val"] = old
-                return old
+                return self._hand_out(old)
         self.changed.add(n)
-        return given
+        return self._hand_out(given)

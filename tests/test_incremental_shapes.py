@@ -83,6 +83,35 @@ def test_evaluation_graph_shapes_equal_a_full_propagation(example, world):
     assert_same_as_full_propagation(plan_example(example, world, evaluate=True))
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_compiles_of_one_trace_equal_a_full_propagation_and_their_own_trace(monkeypatch, world):
+    """Note [shape memo]: the memory budget's way, several option sets compiled in turn from one trace.
+
+    Each compile, whose shapes come mostly from the memo the earlier ones
+    filled, equals a full propagation of its graph node for node, and its
+    memory plan equals that of the same options compiled from a trace of their own.
+    """
+    import shardlang.api as api
+    from shardlang.compiler.placement import Recompute
+
+    configurations = [({}, 1), ({"blocks.0": Recompute.FULL}, 1), ({"blocks.0": Recompute.FULL}, 2),
+                      ({"blocks.0": Recompute.SELECTIVE, "blocks.1": Recompute.FULL}, 1), ({}, 2), ({}, 1)]
+    compiled = []
+
+    def every_configuration(budget, compile_at, units, **kwargs):
+        compiled.extend(compile_at(recompute, depth) for recompute, depth in configurations)
+        return compiled[0], None
+
+    monkeypatch.setattr(api, "fit_budget", every_configuration)
+    plan_example("gpt.py", world, options=sl.Options(memory_budget=2**40))
+    assert len({id(step.traced) for step in compiled}) == 1  # one trace served them all
+    for step, (recompute, depth) in zip(compiled, configurations):
+        assert_same_as_full_propagation(step)
+        rules = [(unit, policy.value) for unit, policy in recompute.items()] or None
+        own = plan_example("gpt.py", world, recompute=rules, options=sl.Options(prefetch=depth))
+        assert step.memory.to_dict() == own.memory.to_dict(), (recompute, depth)
+
+
 def test_lazy_code_is_the_code_a_recompile_writes():
     compiled = plan_example("gpt.py", 2)
     gm = compiled.graph_module
