@@ -16,6 +16,8 @@ dead code only through `is_effectful`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -108,9 +110,11 @@ def is_effectful(node: torch.fx.Node) -> bool:
     """Whether dead-code elimination must keep ``node`` (collectives, waits, frees, mutations)."""
     if node.op in ("placeholder", "output"):
         return True
-    if node.op != "call_function":
-        return False
-    target = node.target
+    return node.op == "call_function" and _effectful_target(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _effectful_target(target) -> bool:
     if target in EFFECTS or getattr(target, "__module__", "") == "torch._ops._c10d_functional":
         return True
     schema = getattr(target, "_schema", None)

@@ -41,6 +41,7 @@ no copy is a collective, a wait or an in-place update of a value it did not copy
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -165,6 +166,12 @@ _UNMARKED_WRITES = {_aten.native_batch_norm.default: (3, 4), _aten.cudnn_batch_n
                     _aten.miopen_batch_norm.default: (3, 4)}
 
 
+@functools.lru_cache(maxsize=None)
+def _may_write(target) -> bool:
+    """Whether an op can write an argument in place (the cheap test before `_mutated_args`)."""
+    return target in _UNMARKED_WRITES or getattr(getattr(target, "_schema", None), "is_mutable", False)
+
+
 def _mutated_args(node: fx.Node) -> set[fx.Node]:
     """The arguments ``node`` writes in place (its schema's alias annotations, and `_UNMARKED_WRITES`)."""
     if node.target in _UNMARKED_WRITES and len(node.args) > 5 and node.args[5]:
@@ -195,8 +202,8 @@ def _check_mutations(unit: str, copied: set[fx.Node], order: dict[fx.Node, int])
         for arg in node.all_input_nodes:
             if arg in copied:
                 continue
-            writers = [u for u in arg.users if order[u] > order[node] and arg in _mutated_args(u)
-                       and phase_of(u) is Phase.FORWARD]
+            writers = [u for u in arg.users if _may_write(u.target) and order[u] > order[node]
+                       and phase_of(u) is Phase.FORWARD and arg in _mutated_args(u)]
             if writers:
                 raise CompileError(
                     f"recompute of unit {unit or '<root>'!r}: {node.name} reads {arg.name}, which forward then "
