@@ -29,6 +29,7 @@ import json
 import attrs
 import torch.fx as fx
 
+from .compile import collection_paused
 from .cost import CostModel, Timeline
 from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
 from .schedule import OpKind, Schedule
@@ -72,6 +73,7 @@ class Plan:
         ])
 
 
+@collection_paused  # Note [no collection while compiling]: the memory plan and timeline walk the whole graph
 def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, schedule: Schedule | None = None,
               inputs: tuple[GraphInput, ...] | None = None, cost_model: CostModel | None = None,
               scratch: dict[str, float] | None = None) -> Plan:

@@ -81,6 +81,7 @@ class ShapeMemo:
     def __init__(self):
         self.values: dict[tuple, list[tuple]] = {}  # op key -> [(input values, value, meta value)]
         self.inputs: dict[tuple, torch.Tensor] = {}  # (placeholder, size, dtype, device) -> local input
+        self.fresh: dict[tuple, tuple] = {}  # ids of a traced value and its inputs -> (them, whether it is fresh)
 
 
 def shape_memo(traced: fx.GraphModule) -> ShapeMemo:
@@ -98,14 +99,17 @@ def remember_shapes(gm: fx.GraphModule, memo: ShapeMemo | None = None) -> None:
     remembered = gm.meta[_REMEMBERED] = {}
     if memo is not None:
         gm.meta[_MEMO] = memo
+    known = memo.fresh if memo is not None else {}  # the trace's values are the same in each of its copies
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         leaves = pytree.tree_leaves(val)
         if node.op == "output" or not leaves or not all(isinstance(t, FakeTensor) for t in leaves):
             continue
-        inputs = [a.meta.get("val") for a in node.all_input_nodes]
-        fresh = node.op != "placeholder" and _fresh(val, inputs)
-        remembered[node] = (node.args, node.kwargs, node.target, fresh)
+        inputs = tuple(a.meta.get("val") for a in node.all_input_nodes)
+        key = (id(val), *map(id, inputs))
+        if key not in known:
+            known[key] = (val, inputs, node.op != "placeholder" and _fresh(val, inputs))  # held: ids stay theirs
+        remembered[node] = (node.args, node.kwargs, node.target, known[key][2])
 
 
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler.budget import fit_budget
-from .compiler.compile import CompiledStep, compile_step, step_flats
+from .compiler.compile import CompiledStep, collection_paused, compile_step, step_flats
 from .compiler.evaluate import compile_eval
 from .batch import check_example_batch
 from .compiler.placement import Recompute
@@ -154,6 +154,7 @@ def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_e
                                 dump_dir)[0]
 
 
+@collection_paused  # the budget's search too: Note [no collection while compiling]
 def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
                          dump_dir) -> tuple[CompiledStep, Recipe]:
     """The compiled step for ``example_batch``, and the `Recipe` that compiles other batch shapes identically."""

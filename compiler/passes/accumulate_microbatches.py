@@ -73,7 +73,6 @@ def accumulate_microbatches(gm: fx.GraphModule, ctx: CompileContext) -> fx.Graph
             if user not in region and user not in adds:
                 user.replace_input_with(grad, sums[flat])
     output.replace_input_with(loss, loss_sum)
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -64,7 +64,6 @@ def elide_local_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
             graph.erase_node(node)
         changed = True
     if changed:
-        graph.lint()
         gm.recompile()
     return gm
 

@@ -52,7 +52,6 @@ def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
                 if member.name in leaves:
                     leaves[member.name].replace_all_uses_with(unpacked)
     collectives.eliminate_dead_code(graph)
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -55,6 +55,5 @@ def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
                          "all_gather", flat.name, Phase.OPTIMIZER, update=True)
         with graph.inserting_before(output):
             tag(graph.call_function(collectives.wait, (issued,)), "wait_update", flat.name, Phase.OPTIMIZER)
-    graph.lint()
     gm.recompile()
     return gm

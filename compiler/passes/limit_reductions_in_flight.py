@@ -35,6 +35,5 @@ def limit_reductions_in_flight(gm: fx.GraphModule, ctx: CompileContext) -> fx.Gr
         order = positions(graph)
         if order[wait] > order[following]:
             following.prepend(wait)
-    graph.lint()
     gm.recompile()
     return gm

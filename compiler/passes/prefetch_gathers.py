@@ -41,6 +41,5 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     source.append(issue)
                 else:
                     wait.append(issue)
-    gm.graph.lint()
     gm.recompile()
     return gm

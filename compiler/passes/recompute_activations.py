@@ -80,7 +80,6 @@ def recompute_activations(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
     graph = gm.graph
     for (unit, _microbatch), nodes in _regions(graph, policies).items():
         _recompute_region(graph, unit, nodes, policies[unit])
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -94,7 +94,6 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         cat.replace_all_uses_with(averaged)
     _overlap_hybrid_reductions(graph, across)
     collectives.eliminate_dead_code(graph)
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -53,7 +53,6 @@ def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
         collectives.eliminate_dead_code(graph)  # forward views that only backward read
     for wait in _gathered(graph):
         _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"])
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -61,7 +61,6 @@ def skip_nonfinite_updates(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
     loss, norm_out = output.args[0]
     output.args = ((loss, norm_out, per_flat),)
     collectives.eliminate_dead_code(graph)
-    graph.lint()
     gm.recompile()
     return gm
 

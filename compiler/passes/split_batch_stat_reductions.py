@@ -32,6 +32,5 @@ def split_batch_stat_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.G
             done = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", None, phase)
         node.replace_all_uses_with(done)
         graph.erase_node(node)
-    graph.lint()
     gm.recompile()
     return gm

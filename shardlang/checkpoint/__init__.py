@@ -13,7 +13,18 @@ Example::
     step.load("ckpt/step-3")        # at any world size and layout
 """
 
-from .saving import AsyncSave, Restored, load, save, save_async, wait_for_saves
-from .store import CheckpointDir
+import importlib
 
 __all__ = ["AsyncSave", "CheckpointDir", "Restored", "load", "save", "save_async", "wait_for_saves"]
+
+#: Where each public name lives. Imported on first use: torch.distributed.checkpoint takes 1.4 s to import,
+#: and every ``import shardlang`` reaches this package (`shardlang.step` reads `state_dict`'s key names).
+_HOMES = {"CheckpointDir": ".store", **{name: ".saving" for name in __all__ if name != "CheckpointDir"}}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value

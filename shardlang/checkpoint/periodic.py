@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .saving import AsyncSave, Restored, load, save, save_async
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from . import saving
 from .store import CheckpointDir
 
 
@@ -29,18 +32,22 @@ class Periodic:
         self.directory = directory
         self.every = every
         self.asynchronous = asynchronous
-        self.pending: AsyncSave | None = None
+        self.pending: saving.AsyncSave | None = None
         self.saved: list[Path] = []
 
-    def resume(self, step) -> Restored | None:
+    def resume(self, step) -> saving.Restored | None:
         """Load the latest complete checkpoint of the directory into ``step``; None when there is none."""
         latest = self.directory.latest()
+        from .saving import load  # torch.distributed.checkpoint: imported when first used
+
         return load(step, latest) if latest is not None else None
 
     def after_step(self, step, steps_done: int, *, last: bool = False) -> Path | None:
         """Save when ``steps_done`` is a multiple of ``every`` or ``last``; the checkpoint's path, or None."""
         if not (last or (self.every and steps_done % self.every == 0)):
             return None
+        from .saving import save, save_async  # torch.distributed.checkpoint: imported when first used
+
         path = self.directory.path_for(steps_done)
         if self.asynchronous:
             self._settle(step)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import CheckpointDir
-from ..checkpoint.export import export_safetensors, parse_size
 from ..errors import CheckpointError
 
 
@@ -38,6 +37,8 @@ def add_parser(subparsers) -> None:
 
 def main(args) -> int:
     """Export the checkpoint (``args`` from `add_parser`); the exit code."""
+    from ..checkpoint.export import export_safetensors, parse_size  # torch.distributed.checkpoint: 1.4 s to import
+
     if args.max_shard_size is not None:
         parse_size(args.max_shard_size)  # a bad size is an error before anything is read
     path = checkpoint_path(Path(args.checkpoint))
