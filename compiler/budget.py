@@ -11,8 +11,9 @@ the number of units:
 2. For "selective" and then "full": the first k units (in forward order: the
    earliest units keep their activations the longest, so recomputing them helps
    the peak most) take the policy, the others none. The peak falls with k, so
-   the least k that fits is found from k = 0 and k = all by interpolation, then
-   stepped to the boundary.
+   the least k that fits is guessed from k = 0 and k = all (the activation
+   bytes the policy saves each unit, read off both memory plans), then stepped
+   to the boundary.
 3. The fastest fitting configuration then tries deeper prefetch (more overlap,
    more gathered memory) while it fits and predicts faster.
 
@@ -75,6 +76,7 @@ class Candidate:
     step_time_s: float
     policy: str = attrs.field(default="none", repr=False)  # the searched policy, on the first ``k`` units
     k: int = attrs.field(default=0, repr=False)
+    kept: dict = attrs.field(factory=dict, repr=False, eq=False)  # unit -> activation bytes kept (memory plan)
 
     def describe(self) -> str:
         """``"recompute full on layers.0..layers.79 (80 units), prefetch 1"``."""
@@ -149,7 +151,8 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
             memory, timeline = step.memory, cost_model.predict(step.schedule, step.graph_module)
             base.setdefault("step", (step, memory, timeline))
-            compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k))
+            kept = {u.unit: u.kept for u in memory.units}
+            compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k, kept))
         return compiled[key][1]
 
     fits = lambda c: c.peak <= budget  # noqa: E731
@@ -159,7 +162,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
             fastest = min((c.step_time_s for c in found if fits(c)), default=math.inf)
             if _policy_floor(*base["step"], policy, units, budget, cost_model) >= fastest:
                 continue  # Note [policy floor]: its least fitting k cannot be faster
-            k = _least_k(lambda k, p=policy: evaluate(p, k, base_prefetch), len(units), budget)
+            k = _least_k(lambda k, p=policy: evaluate(p, k, base_prefetch), units, budget)
             if k is not None:
                 found.append(evaluate(policy, k, base_prefetch))
     feasible = [c for c in found if fits(c)]
@@ -212,8 +215,14 @@ def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:
     return evaluate(Recompute(candidate.policy), candidate.k, depth)
 
 
-def _least_k(peak_at: Callable[[int], Candidate], n: int, budget: int) -> int | None:
-    """The least k in [0, n] with ``peak_at(k).peak <= budget`` (peaks fall with k), or None when even n misses."""
+def _least_k(peak_at: Callable[[int], Candidate], units: Sequence[str], budget: int) -> int | None:
+    """The least k in [0, n] with ``peak_at(k).peak <= budget`` (peaks fall with k), or None when even n misses.
+
+    The first guess reads what the policy saves each unit (`_first_guess`);
+    from it, the search steps one unit at a time, so a guess on the boundary
+    costs two compiles (k fits, k - 1 does not).
+    """
+    n = len(units)
     if n == 0:
         return None
     high = peak_at(n)
@@ -222,8 +231,7 @@ def _least_k(peak_at: Callable[[int], Candidate], n: int, budget: int) -> int | 
     low = peak_at(0)
     if low.peak <= budget:
         return 0
-    span = low.peak - high.peak
-    k = min(n, max(1, math.ceil(n * (low.peak - budget) / span))) if span > 0 else n
+    k = _first_guess(low, high, units, budget)
     if peak_at(k).peak <= budget:  # step down to the boundary
         while k > 1 and peak_at(k - 1).peak <= budget:
             k -= 1
@@ -231,6 +239,29 @@ def _least_k(peak_at: Callable[[int], Candidate], n: int, budget: int) -> int | 
     while k < n and peak_at(k).peak > budget:  # step up to it
         k += 1
     return k
+
+
+def _first_guess(low: Candidate, high: Candidate, units: Sequence[str], budget: int) -> int:
+    """The least k whose savings, unit by unit, would bring ``low``'s peak under ``budget``.
+
+    A unit's saving is the activation bytes the policy stops keeping (its
+    memory plan rows at k = 0 and k = n). While the peak stays where it was
+    (the start of backward, when every kept activation is live) it falls by
+    exactly that; once it moves elsewhere it falls by less, and the search
+    steps up from the guess. When the savings cannot cover the excess, the
+    guess interpolates between the two peaks in proportion to k.
+    """
+    n = len(units)
+    savings = [max(0, low.kept.get(u, 0) - high.kept.get(u, 0)) for u in units]
+    needed = low.peak - budget
+    if sum(savings) < needed:
+        return min(n, max(1, math.ceil(n * needed / max(1, low.peak - high.peak))))
+    done = 0
+    for k, saving in enumerate(savings, start=1):
+        done += saving
+        if done >= needed:
+            return k
+    return n
 
 
 def _no_fit(budget: int, leanest: Candidate, hints: list[str]) -> str:
