@@ -134,6 +134,7 @@ def full_propagation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode,
                   made: dict | None = None) -> list[torch.Tensor]:
     """A fake tensor of the local size for each input of the graph: fresh, or the one in ``made`` (a memo's)."""
+    made = {} if made is None else made
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for spec, node in zip(ctx.inputs, placeholders):
@@ -145,13 +146,9 @@ def _local_inputs(gm: fx.GraphModule, ctx: CompileContext, mode: FakeTensorMode,
         else:
             shape = tuple(old.shape)
         key = (node.name, shape, old.dtype, old.device)
-        if made is None or key not in made:
+        if key not in made:
             with mode:
-                value = torch.empty(shape, dtype=old.dtype, device=old.device)
-            if made is None:
-                inputs.append(value)
-                continue
-            made[key] = value
+                made[key] = torch.empty(shape, dtype=old.dtype, device=old.device)
         inputs.append(made[key])
     return inputs
 
