@@ -165,15 +165,6 @@ def _objects(*values) -> list:
     return out
 
 
-def _hashable(args):
-    """``args`` with lists and dicts made tuples, so that it can key a dict."""
-    if isinstance(args, (list, tuple)):
-        return tuple(_hashable(a) for a in args)
-    if isinstance(args, dict):
-        return tuple((k, _hashable(v)) for k, v in args.items())
-    return args
-
-
 def _storage_keys(val) -> list[StorageWeakRef]:
     return [storage_key(t) for t in tensor_leaves(val)]
 
@@ -241,7 +232,8 @@ class _IncrementalProp(FakeTensorProp):
         """(target, arguments with each node as its value's id), and those values; None when not hashable."""
         inputs = tuple(self.env[a] for a in n.all_input_nodes)
         as_ids = lambda a: ("node", id(self.env[a]))  # noqa: E731
-        key = (n.target, _hashable(fx.node.map_arg(n.args, as_ids)), _hashable(fx.node.map_arg(n.kwargs, as_ids)))
+        # map_arg returns fx's immutable (hashable) lists and dicts
+        key = (n.target, fx.node.map_arg(n.args, as_ids), fx.node.map_arg(n.kwargs, as_ids))
         try:
             hash(key)
         except TypeError:
