@@ -23,6 +23,7 @@ from .context import CompileContext
 from .errors import CompileError
 from .provenance import failing_node, site_of_node
 from .passes.accumulate_microbatches import accumulate_microbatches
+from .passes.add_gradients_in_place import add_gradients_in_place
 from .passes.clip_gradients import clip_gradients
 from .passes.elide_local_reductions import elide_local_reductions
 from .passes.gather_parameters import gather_parameters
@@ -51,6 +52,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     limit_reductions_in_flight,
     gather_updated_shards,
     shard_optimizer,
+    add_gradients_in_place,
     elide_local_reductions,
 )
 
