@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from .. import collectives
+from ..backend import StepBackend
 from ..context import CompileContext
 from ..flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from ..member_updates import FLAT, GRAD, SAME, update_members_
@@ -41,6 +42,8 @@ _PACKS = (pack_gradients, flatten_gradients, pack_whole_gradients)
 def elide_local_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.mesh.size != 1:
         return gm  # every reduction sums over more than one rank (Note [updates from member gradients])
+    if ctx.backend is not StepBackend.EAGER:
+        return gm  # inductor fuses the pack into the update's kernels; member slices would cost it more (see Invariant)
     graph = gm.graph
     changed = False
     for pack in [n for n in graph.nodes if n.op == "call_function" and n.target in _PACKS]:
