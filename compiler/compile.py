@@ -105,7 +105,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                  dump_dir=None, traced: TracedStep | None = None,
                  buffers: Mapping[str, TensorShape] | None = None,
                  tied: Mapping[str, str] | None = None,
-                 backend: StepBackend = StepBackend.EAGER) -> CompiledStep:
+                 backend: StepBackend = StepBackend.EAGER,
+                 keep_reduction_buffers: bool = True) -> CompiledStep:
     """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -116,6 +117,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
     ``backend`` says what will run the graph (`compiler.backend`): the graph is the same, the cost model's
     prediction is not (fused compute).
+    ``keep_reduction_buffers`` keeps replicated gradients' all-reduce buffers between steps
+    (Note [kept reduction buffers] in `passes.keep_reduction_buffers`).
     Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
     ZERO3 with ``reshard_after_forward``, ZERO2 without. ``traced``, the
     ``traced`` of an earlier `CompiledStep` of the same model, batch and
@@ -134,7 +137,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
                        training=training, buffers=buffers, tied=tied)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, recompute=dict(recompute or {}), backend=backend)
+                         prefetch=prefetch, recompute=dict(recompute or {}), backend=backend,
+                         keep_reduction_buffers=keep_reduction_buffers)
     check = structural_check if check_each_pass else None
     gm = copy_graph_module(traced.graph_module)
     # Note [incremental shapes], Note [shape memo]: shape propagation re-runs only what changed, once per trace

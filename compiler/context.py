@@ -33,6 +33,7 @@ class CompileContext:
     recompute: Mapping[str, Recompute] = attrs.field(factory=dict)
     backend: StepBackend = StepBackend.EAGER  # what runs the bound graph; the cost model reads it (fusion)
     evaluate: bool = False  # a forward-only evaluation graph (`compiler.evaluate`)
+    keep_reduction_buffers: bool = True  # Note [kept reduction buffers] (`passes.keep_reduction_buffers`)
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

@@ -33,8 +33,9 @@ import torch.fx as fx
 
 from . import collectives
 from .errors import CompileError
-from .flat import flatten_gradients
+from .flat import KeptReductionBuffer, flatten_gradients
 from .graph_utils import sl_tag
+from .passes.keep_reduction_buffers import is_kept
 from .placement import WORLD
 
 _c10d = torch.ops._c10d_functional
@@ -53,7 +54,9 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     group of one rank stay the identities they are and need no group. With
     ``group_names=None`` (world size 1) the graph is returned unchanged.
     ``reduce_scatter_as_all_to_all`` (gloo) lowers reduce-scatters as Note
-    [reduce-scatter as all-to-all] says.
+    [reduce-scatter as all-to-all] says. The packs marked kept (Note [kept
+    reduction buffers] in `passes.keep_reduction_buffers`) write into buffers
+    that the returned graph owns (`kept_reduction_buffers`).
 
     Example::
 
@@ -104,6 +107,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             if node.args[0] in exchanged:
                 _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
     _average_in_place(bound.graph)
+    _keep_reduction_buffers(bound.graph)
     bound.graph.lint()
     bound.recompile()
     return bound
@@ -127,6 +131,25 @@ def _fresh_packed_buffer(buffer) -> bool:
         return False
     dtype, *grads = buffer.args
     return len(grads) > 1 or dtype is not None
+
+
+def _keep_reduction_buffers(graph: fx.Graph) -> None:
+    """Each pack marked kept fills a buffer of its own, owned by the bound graph (Note [kept reduction buffers])."""
+    for node in graph.nodes:
+        if node.target is flatten_gradients and is_kept(node):
+            node.target = KeptReductionBuffer().fill
+
+
+def kept_reduction_buffers(gm: fx.GraphModule) -> dict[str, KeptReductionBuffer]:
+    """The reduction buffers a bound graph keeps between steps, by pack node name (Note [kept reduction buffers]).
+
+    A buffer's ``.buffer`` is None until the first step has run. Example::
+
+        bound = bind(compiled.graph_module, names, coordinates)
+        [k.buffer.data_ptr() for k in kept_reduction_buffers(bound).values()]   # after a step
+    """
+    return {node.name: node.target.__self__ for node in gm.graph.nodes
+            if isinstance(getattr(node.target, "__self__", None), KeptReductionBuffer)}
 
 
 def _average_in_place(graph: fx.Graph) -> None:

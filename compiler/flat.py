@@ -296,6 +296,34 @@ def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.
     return flat if dtype is None else flat.to(dtype)
 
 
+class KeptReductionBuffer:
+    """The all-reduce buffer of one replicated flat gradient, kept between steps (Note [kept reduction buffers]).
+
+    Its `fill` stands in for `flatten_gradients` in the bound graph: the first
+    call allocates the buffer, later calls write the same concatenation into it
+    (a buffer of another size is allocated anew). Example::
+
+        kept = KeptReductionBuffer()
+        flat = kept.fill(None, grad_a, grad_b)     # kept.buffer is flat, reused by the next step
+    """
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def fill(self, dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
+        """`flatten_gradients` into the kept buffer: the same values, to the bit, in the same storage every step."""
+        numel = sum(g.numel() for g in grads)
+        dtype = dtype or grads[0].dtype
+        buffer = self.buffer
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != grads[0].device:
+            buffer = self.buffer = torch.empty(numel, dtype=dtype, device=grads[0].device)
+        if len(grads) > 1:
+            torch.cat([g.reshape(-1) for g in grads], out=buffer)
+        else:
+            buffer.copy_(grads[0].reshape(-1))
+        return buffer
+
+
 def pack_whole_gradients(padded_numel: int, dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
     """Concatenate full gradients and pad them to ``padded_numel`` (ZERO1's reduce-scatter buffer), in ``dtype``.
 

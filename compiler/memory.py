@@ -45,6 +45,15 @@ what it would otherwise have kept, made again just before its backward and
 freed by it. Under "full" a unit keeps little but its input; the plan shows
 both per unit (`MemoryPlan.units`).
 
+Note [kept buffers in the plan]: the all-reduce buffers that the bound step
+keeps between steps (Note [kept reduction buffers] in
+`passes.keep_reduction_buffers`) are state, like the parameters: the plan
+counts them as `Category.REDUCTION_BUFFERS`, live from the step's start (the
+previous step left them) to its end, and in ``persistent``. Their pack
+allocates nothing. The compiled graph's all-reduce still makes a new value
+(the bound one reduces in place, Note [reductions in place]), so the plan
+stays an upper bound.
+
 Example::
 
     plan = plan_memory(compiled.graph_module, compiled.schedule, compiled.context.inputs)
@@ -66,6 +75,7 @@ from torch.utils import _pytree as pytree
 from . import collectives
 from .graph_utils import sl_tag
 from .member_updates import member_gradients_of, update_members_
+from .passes.keep_reduction_buffers import is_kept
 from .schedule import COLLECTIVE_KINDS, Schedule
 from .schedule_format import human_bytes
 from .trace import GraphInput, InputRole, Phase, phase_of, tag_of
@@ -80,12 +90,13 @@ class Category(enum.Enum):
     GATHERED = "gathered"  # all-gather outputs and the parameters unpacked from them
     ACTIVATIONS = "activations"  # values made in forward (kept for backward, or not yet dead)
     GRADIENT_BUFFERS = "gradient_buffers"  # full-size parameter gradients and the packed reduction buffers
+    REDUCTION_BUFFERS = "reduction_buffers"  # all-reduce buffers kept between steps (Note [kept buffers in the plan])
     GRADIENT_SHARDS = "gradient_shards"  # reduction outputs (this rank's shard) and their average
     TEMPORARIES = "temporaries"  # other backward and optimizer values: activation gradients, update terms
     COLLECTIVE_SCRATCH = "collective_scratch"  # the backend's own copies while a collective runs
 
 
-PERSISTENT = (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS)
+PERSISTENT = (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS, Category.REDUCTION_BUFFERS)
 
 #: NCCL (and a world of one) work in the collective's own buffers: no scratch.
 NO_SCRATCH = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
@@ -161,7 +172,8 @@ class MemoryPlan:
 
     ``breakdown`` maps each `Category` value to its bytes at the peak;
     ``persistent`` is what lives for the whole step (parameters, optimizer
-    state, batch and buffers); ``scratch`` is the collective-scratch model used
+    state, batch and buffers, and the reduction buffers kept between steps,
+    Note [kept buffers in the plan]); ``scratch`` is the collective-scratch model used
     (for the world's group size).
     """
 
@@ -320,6 +332,13 @@ class _Simulator:
         late: dict[fx.Node, int] = {}  # node -> scratch bytes that outlived a wait and go as this node starts
         records = []
         made_by: dict[StorageWeakRef, fx.Node] = {}
+        for node in self.nodes:  # Note [kept buffers in the plan]: held since the step before
+            if is_kept(node):
+                for key, nbytes in _storages(node.meta.get("val")):
+                    if key not in size:
+                        size[key], refs[key], made_by[key] = nbytes, 0, node
+                        live[category[key].value] += nbytes
+                        self.persistent += nbytes
         in_backward = False
         for i, node in enumerate(self.nodes):
             if not in_backward and phase_of(node) is Phase.BACKWARD:
@@ -413,7 +432,7 @@ class _Simulator:
             if node.op == "placeholder":
                 continue
             for key, _ in _storages(node.meta.get("val")):
-                category.setdefault(key, _node_category(node))
+                category.setdefault(key, Category.REDUCTION_BUFFERS if is_kept(node) else _node_category(node))
         for node in self.nodes:  # what a reduction packs, or an update reads by member, is a parameter gradient
             if sl_tag(node).get("kind") == "pack":
                 gradients = node.all_input_nodes

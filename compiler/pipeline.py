@@ -28,6 +28,7 @@ from .passes.clip_gradients import clip_gradients
 from .passes.elide_local_reductions import elide_local_reductions
 from .passes.gather_parameters import gather_parameters
 from .passes.gather_updated_shards import gather_updated_shards
+from .passes.keep_reduction_buffers import keep_reduction_buffers
 from .passes.limit_reductions_in_flight import limit_reductions_in_flight
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.recompute_activations import recompute_activations
@@ -54,6 +55,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     shard_optimizer,
     add_gradients_in_place,
     elide_local_reductions,
+    keep_reduction_buffers,
 )
 
 

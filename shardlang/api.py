@@ -171,6 +171,7 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
             model, loss_fn, resolved.params, resolved.mesh, optimizer, batch, **flat_options, prefetch=prefetch,
             recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
             buffers=buffers, tied=tied, backend=resolved.options.backend,
+            keep_reduction_buffers=resolved.options.keep_reduction_buffers,
         )
 
     recipe = Recipe(model, loss_fn, resolved, optimizer, at,

@@ -48,7 +48,8 @@ __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend")
+                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend",
+                "keep_reduction_buffers")
 _SHOWN_NAMES = 12
 
 
@@ -123,6 +124,11 @@ class Options:
     - ``backend``: what runs the compiled graph: ``"eager"`` (the default, node by
       node) or ``"inductor"`` (torch.compile's inductor compiles the whole step,
       collectives included; `compiler.backend`, docs/spec.md).
+    - ``keep_reduction_buffers``: the full-size all-reduce buffer of each replicated
+      gradient (the DDP strategy, ``replicate()`` parameters) is kept between steps
+      and refilled, as torch DDP keeps its buckets (True, the default: no fresh
+      pages every step); False frees it after each step, a full gradient fewer held
+      between steps. Eager backend only (docs/spec.md).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -141,6 +147,7 @@ class Options:
     memory_budget: int | None = attrs.field(default=None, validator=_check_memory_budget)
     skip_nonfinite: bool = attrs.field(default=False, validator=_check_bool)
     backend: StepBackend = attrs.field(default=StepBackend.EAGER, converter=_to_backend, repr=training.enum_repr)
+    keep_reduction_buffers: bool = attrs.field(default=True, validator=_check_bool)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -148,7 +155,7 @@ class Options:
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget", "skip_nonfinite", "backend"):  # only when not the default
+                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers"):  # only when not the default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

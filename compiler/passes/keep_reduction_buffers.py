@@ -1,0 +1,74 @@
+"""Mark the all-reduce buffers that the bound step keeps between steps, as torch DDP keeps its buckets.
+
+Note [kept reduction buffers]: a replicated flat parameter's gradient (the DDP
+strategy, and ``replicate()`` parameters in any spec) is concatenated by
+`flat.flatten_gradients` into one full-size buffer that an all-reduce sums in
+place (Note [reductions in place] in `compiler.emit`), that the average
+divides in place, and that the update reads, all within the step. Made anew
+every step, that buffer is an allocation above glibc's mmap threshold: fresh
+pages every step, faulted in by the cat and unmapped at the end (measured at
+100M N=2: 35k-67k more minor page faults per step than torch DDP, whose
+buckets live as long as the model; docs/benchmarks.md). A marked buffer is
+instead owned by the bound graph (`emit.bind` swaps its `flatten_gradients`
+for a `flat.KeptReductionBuffer`'s ``fill``): allocated on the first step,
+written by the same cat after. The values are the same to the bit; the bytes
+are held between steps, and the memory plan counts them as state
+(`Category.REDUCTION_BUFFERS`, `compiler.memory`).
+
+Not marked: reduce-scatter inputs (ZeRO-1/2/3: holding a full gradient
+between steps would undo their sharding), a hybrid mesh's all-reduce of a
+reduce-scattered shard (not a pack), collectives over one rank (there is no
+pack left after `elide_local_reductions`), and every buffer when the
+inductor backend runs the step (inductor plans its own buffers, and a
+Python-owned buffer would be a mutation of a global in its trace).
+
+Before: packs tagged ``kind="pack"``. After: each `flatten_gradients` pack
+read only by an all-reduce over more than one rank has ``kept=True`` in its
+tag, when ``ctx.keep_reduction_buffers`` is on and the backend is eager; the
+graph's code is unchanged.
+
+Invariant: a kept pack is a new buffer (several gradients, or a cast) read by
+exactly one node, an all-reduce over more than one rank; the bound graph
+reduces it in place, divides it in place and the update reads it, within the
+step only.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import collectives
+from ..backend import StepBackend
+from ..context import CompileContext
+from ..flat import flatten_gradients
+from ..graph_utils import sl_tag
+
+
+def keep_reduction_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    if not ctx.keep_reduction_buffers or ctx.backend is not StepBackend.EAGER or ctx.mesh.size == 1:
+        return gm
+    for node in gm.graph.nodes:
+        if is_keepable(node):
+            node.meta["sl"] = {**sl_tag(node), "kept": True}
+    return gm
+
+
+def is_keepable(node: fx.Node) -> bool:
+    """Whether ``node`` is a new `flatten_gradients` buffer read only by an all-reduce over more than one rank.
+
+    New: a concatenation of several gradients, or a cast. One gradient
+    flattened is a view of it, not a buffer of its own (Note [reductions in place]).
+    """
+    if node.op != "call_function" or node.target is not flatten_gradients or len(node.users) != 1:
+        return False
+    dtype, *grads = node.args
+    (user,) = node.users
+    if len(grads) < 2 and dtype is None:
+        return False
+    group = collectives.group_of(user)
+    return user.target is collectives.all_reduce and user.args[0] is node and group is not None and group[1] > 1
+
+
+def is_kept(node: fx.Node) -> bool:
+    """Whether the pass marked ``node``'s buffer as kept between steps (Note [kept reduction buffers])."""
+    return bool(sl_tag(node).get("kept"))
