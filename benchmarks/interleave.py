@@ -7,13 +7,14 @@ falls on all of them alike; each step is timed with ``time.process_time`` and
 (`benchmarks.modes.MODES`), optionally with a suffix:
 
 - ``MODE:MIB``: a shardlang mode compiled with ``Options(bucket_bytes=MIB MiB)``;
-- ``MODE+kept`` (``MODE+kept:MIB``): a shardlang mode whose all-reduce buffers (`flat.flatten_gradients`)
-  are written into buffers kept between steps, as torch DDP's buckets are: a
-  what-if on the bound graph, not a compiler option.
+- ``MODE+freed`` (``MODE+freed:MIB``): a shardlang mode compiled with
+  ``Options(keep_reduction_buffers=False)``: its all-reduce buffers are made
+  anew every step instead of kept between steps as torch DDP's buckets are
+  (Note [kept reduction buffers], the default).
 
 Example::
 
-    python -m benchmarks.interleave --size 100M --world 2 --steps 4 shardlang-ddp shardlang-ddp+kept ddp
+    python -m benchmarks.interleave --size 100M --world 2 --steps 4 shardlang-ddp shardlang-ddp+freed ddp
     python -m benchmarks.interleave --size 10M-latency --world 2 shardlang-zero2 shardlang-zero2:25 ddp
 """
 
@@ -28,7 +29,6 @@ import time
 
 import torch
 
-from shardlang.compiler.flat import flatten_gradients
 from shardlang.runtime.launcher import WorkerPool
 
 from .modes import MODES, SHARDLANG_MODES, SIZES, STRATEGIES, RunSpec, _join_group, build_trainer, lm_loss
@@ -37,60 +37,30 @@ MiB = 2**20
 
 
 def _mode(variant: str) -> str:
-    return variant.partition(":")[0].removesuffix("+kept")
+    return variant.partition(":")[0].removesuffix("+freed")
 
 
-def _bucketed(mode: str, mib: float, spec: RunSpec, ctx, example: torch.Tensor):
+def _with_options(mode: str, spec: RunSpec, ctx, example: torch.Tensor, **options):
+    """The benchmark's shardlang spec for ``mode`` (`benchmarks.modes`), with ``options`` changed."""
     import shardlang as sl
 
     torch.manual_seed(spec.seed)
     sl_spec = sl.Spec(sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))], units=["blocks.*"],
-                      strategies=[("*", getattr(sl, STRATEGIES[mode]))],
-                      options=sl.Options(bucket_bytes=int(mib * MiB)))
+                      strategies=[("*", getattr(sl, STRATEGIES[mode]))], options=sl.Options(**options))
     return sl.compile(spec.size.build(), lm_loss, sl_spec, example_batch=example, dist_context=ctx,
                       optimizer=sl.AdamW(lr=spec.lr, weight_decay=spec.weight_decay))
 
 
-def keep_reduction_buffers(step_fn) -> int:
-    """Rewrite the step's bound graph so each concatenated all-reduce buffer is one kept between steps.
-
-    Returns how many buffers are kept. Values are the same to the bit: the
-    buffer is filled by the same ``cat``, reduced and divided in place, then read
-    by the update, all within the step.
-    """
-    gm = step_fn._graph
-    kept: dict[int, torch.Tensor] = {}
-
-    def into_kept(key: int, dtype, *grads: torch.Tensor) -> torch.Tensor:
-        numel = sum(g.numel() for g in grads)
-        buffer = kept.get(key)
-        if buffer is None or buffer.numel() != numel:
-            buffer = kept[key] = torch.empty(numel, dtype=grads[0].dtype)
-        torch.cat([g.reshape(-1) for g in grads], out=buffer)
-        return buffer if dtype is None else buffer.to(dtype)
-
-    count = 0
-    for node in gm.graph.nodes:
-        if node.target is flatten_gradients and len(node.args) > 2:
-            node.target, node.args = into_kept, (count, *node.args)
-            count += 1
-    gm.recompile()
-    step_fn._graph = gm
-    return count
-
-
 def _build(variant: str, spec: RunSpec, ctx, example: torch.Tensor):
     mode, _, mib = variant.partition(":")
-    kept = mode.endswith("+kept")
-    mode = mode.removesuffix("+kept")
+    options = {"keep_reduction_buffers": False} if mode.endswith("+freed") else {}
     if mib:
-        step = _bucketed(mode, float(mib), spec, ctx, example)
-    else:
-        trainer = build_trainer(mode, spec, ctx, example)
-        step = getattr(trainer, "step_fn", trainer.step)
-    if kept:
-        keep_reduction_buffers(step)
-    return step
+        options["bucket_bytes"] = int(float(mib) * MiB)
+    mode = mode.removesuffix("+freed")
+    if options:
+        return _with_options(mode, spec, ctx, example, **options)
+    trainer = build_trainer(mode, spec, ctx, example)
+    return getattr(trainer, "step_fn", trainer.step)
 
 
 def interleave(ctx, size: str, variants: list[str], warmup: int, steps: int) -> dict:
@@ -118,15 +88,15 @@ def interleave(ctx, size: str, variants: list[str], warmup: int, steps: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.interleave", description=__doc__.split("\n\n")[0])
-    p.add_argument("variants", nargs="+", help="MODE, MODE:MIB (bucket_bytes) or MODE+kept")
+    p.add_argument("variants", nargs="+", help="MODE, MODE:MIB (bucket_bytes) or MODE+freed")
     p.add_argument("--size", default="10M-latency", choices=list(SIZES))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args(argv)
     for v in args.variants:
-        if _mode(v) not in MODES or ((":" in v or "+kept" in v) and _mode(v) not in SHARDLANG_MODES):
-            p.error(f"variant {v!r}: a mode of {MODES}, or a shardlang mode with :MIB or +kept")
+        if _mode(v) not in MODES or ((":" in v or "+freed" in v) and _mode(v) not in SHARDLANG_MODES):
+            p.error(f"variant {v!r}: a mode of {MODES}, or a shardlang mode with :MIB or +freed")
     if args.world < 2:
         p.error(f"--world is {args.world}; the comparison needs a process group of at least 2 ranks")
     with WorkerPool(args.world, threads=1, timeout=None) as pool:

@@ -50,9 +50,11 @@ keeps between steps (Note [kept reduction buffers] in
 `passes.keep_reduction_buffers`) are state, like the parameters: the plan
 counts them as `Category.REDUCTION_BUFFERS`, live from the step's start (the
 previous step left them) to its end, and in ``persistent``. Their pack
-allocates nothing. The compiled graph's all-reduce still makes a new value
-(the bound one reduces in place, Note [reductions in place]), so the plan
-stays an upper bound.
+allocates nothing, and neither does what the bound graph does to them in
+place (Note [reductions in place] in `compiler.emit`): the all-reduce, its
+wait, and the average when it alone reads the wait; the plan follows those
+values to the kept storage (`_Simulator._kept_aliases`), where the compiled
+graph has new ones.
 
 Example::
 
@@ -323,6 +325,7 @@ class _Simulator:
                 continue  # the caller holds the inputs for the whole step
             last = max((pos[u] for u in node.users), default=pos[node])
             dies_at.setdefault(last, []).append(node)
+        aliases = self._kept_aliases()
         category = self._categories()
         size: dict[StorageWeakRef, int] = {}
         refs: dict[StorageWeakRef, int] = {}
@@ -347,6 +350,9 @@ class _Simulator:
             allocated = 0
             keys = []
             for key, nbytes in _storages(node.meta.get("val")):
+                key = aliases.get(key, key)
+                if key in keys:
+                    continue
                 keys.append(key)
                 if key not in size:
                     size[key] = nbytes
@@ -417,6 +423,31 @@ class _Simulator:
             late[following] = late.get(following, 0) + lingering
         live[Category.COLLECTIVE_SCRATCH.value] -= released
         return released
+
+    def _kept_aliases(self) -> dict[StorageWeakRef, StorageWeakRef]:
+        """The storages that the bound graph makes in place in a kept buffer, mapped to it (Note [kept buffers in the plan]).
+
+        As `emit.bind` does: the all-reduce of a kept pack reduces it in place and its wait
+        returns it; the average divides it in place when it is the wait's only reader.
+        """
+        aliases: dict[StorageWeakRef, StorageWeakRef] = {}
+        for node in self.nodes:
+            if not is_kept(node):
+                continue
+            ((kept, _),) = _storages(node.meta.get("val"))
+            (issue,) = node.users
+            same = [issue]
+            if len(issue.users) == 1:
+                (wait,) = issue.users
+                same.append(wait)
+                if len(wait.users) == 1:
+                    (average,) = wait.users
+                    if sl_tag(average).get("kind") == "average" and average.target is torch.ops.aten.div.Tensor:
+                        same.append(average)
+            for value in same:
+                for key, _ in _storages(value.meta.get("val")):
+                    aliases.setdefault(key, kept)
+        return aliases
 
     def _categories(self) -> dict[StorageWeakRef, Category]:
         """Each storage's category, from the node that first holds it (and the gradients' consumers)."""
