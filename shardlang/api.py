@@ -229,6 +229,9 @@ def _what_would_fit(budget: int, leanest: CompiledStep, resolved, example_batch)
         if fraction > 0:
             hints.append(f"a per-rank batch of about {max(1, math.floor(rows * fraction))} rows instead of {rows} "
                          f"(activations and temporaries, {human_bytes(per_batch)}, scale with it)")
+    if parts.get("reduction_buffers"):
+        hints.append(f"Options(keep_reduction_buffers=False): the all-reduce buffers kept between steps are "
+                     f"{human_bytes(parts['reduction_buffers'])} of the peak")
     others = sorted({f.unit or "<root>" for f in leanest.flats if f.strategy.value != "zero3" and f.sharded})
     unsharded = sorted({f.unit or "<root>" for f in leanest.flats if not f.params_sharded and f.world > 1})
     if others or unsharded:

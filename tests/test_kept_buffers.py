@@ -115,3 +115,10 @@ def test_the_option_is_checked_and_round_trips(tmp_path):
     path.write_text(spec.to_toml())
     assert sl.Spec.from_toml(path) == spec
     assert "keep_reduction_buffers" not in sl.Options().to_dict()  # the default is left out
+
+
+def test_a_budget_too_small_for_kept_buffers_names_the_option():
+    from shardlang.compiler.budget import BudgetError
+
+    with pytest.raises(BudgetError, match=r"keep_reduction_buffers=False\): the all-reduce buffers kept"):
+        _plan("gpt_tiny", 2, memory_budget=4096)
