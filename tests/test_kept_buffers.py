@@ -95,9 +95,15 @@ def test_the_plan_counts_kept_buffers_as_state(world):
     (1, "ddp", {}),  # nothing is reduced
     (2, "zero1", {}), (2, "zero2", {}), (2, "zero3", {}),  # reduce-scatters: a full gradient would undo the sharding
     (2, "ddp", {"backend": "inductor"}),  # inductor plans its own buffers
+    (2, "ddp", {"microbatches": 2}),  # a pack per micro-batch: k buffers per flat would be kept
 ])
 def test_only_all_reduced_gradients_keep_their_buffers(world, strategy, options):
     assert _kept_bytes(_plan("gpt_tiny", world, strategy, **options)) == 0
+
+
+def test_one_reduction_per_step_keeps_its_buffers_under_accumulation():
+    kept = _plan("gpt_tiny", 2, microbatches=2, accumulation="keep")
+    assert _kept_bytes(kept) == sum(f.numel * f.element_size for f in kept.flats)
 
 
 def test_replicated_parameters_of_a_sharded_spec_keep_their_buffers():

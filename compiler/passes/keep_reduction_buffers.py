@@ -18,8 +18,10 @@ are held between steps, and the memory plan counts them as state
 Not marked: reduce-scatter inputs (ZeRO-1/2/3: holding a full gradient
 between steps would undo their sharding), a hybrid mesh's all-reduce of a
 reduce-scattered shard (not a pack), collectives over one rank (there is no
-pack left after `elide_local_reductions`), and every buffer when the
-inductor backend runs the step (inductor plans its own buffers, and a
+pack left after `elide_local_reductions`), the k packs per flat of
+``microbatches=k, accumulation="per_microbatch"`` (k buffers held per flat
+would be k times what torch DDP holds; "keep" reduces once and is kept), and
+every buffer when the inductor backend runs the step (inductor plans its own buffers, and a
 Python-owned buffer would be a mutation of a global in its trace).
 
 Before: packs tagged ``kind="pack"``. After: each `flatten_gradients` pack
@@ -42,11 +44,14 @@ from ..backend import StepBackend
 from ..context import CompileContext
 from ..flat import flatten_gradients
 from ..graph_utils import sl_tag
+from ..training import Accumulation
 
 
 def keep_reduction_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.keep_reduction_buffers or ctx.backend is not StepBackend.EAGER or ctx.mesh.size == 1:
         return gm
+    if ctx.training.microbatches > 1 and ctx.training.accumulation is Accumulation.PER_MICROBATCH:
+        return gm  # one pack per flat and micro-batch: k kept buffers each
     for node in gm.graph.nodes:
         if is_keepable(node):
             node.meta["sl"] = {**sl_tag(node), "kept": True}
