@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from . import collectives
 from .errors import CompileError
-from .flat import KeptReductionBuffer, flatten_gradients
+from .flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
 from .graph_utils import sl_tag
 from .passes.keep_reduction_buffers import is_kept
 from .placement import WORLD
@@ -127,10 +127,7 @@ def _fresh_packed_buffer(buffer) -> bool:
     made on the compiled graph, still counts the clone and the quotient, so it
     stays an upper bound.
     """
-    if not isinstance(buffer, fx.Node) or buffer.target is not flatten_gradients or len(buffer.users) != 1:
-        return False
-    dtype, *grads = buffer.args
-    return len(grads) > 1 or dtype is not None
+    return isinstance(buffer, fx.Node) and is_new_flat_buffer(buffer)
 
 
 def _keep_reduction_buffers(graph: fx.Graph) -> None:

@@ -296,6 +296,15 @@ def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.
     return flat if dtype is None else flat.to(dtype)
 
 
+def is_new_flat_buffer(node) -> bool:
+    """Whether fx ``node`` is a `flatten_gradients` that makes a buffer of its own (several gradients, or a cast)
+    read by one node alone; one gradient flattened is a view of it (Note [reductions in place] in `compiler.emit`)."""
+    if node.op != "call_function" or node.target is not flatten_gradients or len(node.users) != 1:
+        return False
+    dtype, *grads = node.args
+    return len(grads) > 1 or dtype is not None
+
+
 class KeptReductionBuffer:
     """The all-reduce buffer of one replicated flat gradient, kept between steps (Note [kept reduction buffers]).
 

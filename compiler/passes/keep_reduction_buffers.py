@@ -42,7 +42,7 @@ import torch.fx as fx
 from .. import collectives
 from ..backend import StepBackend
 from ..context import CompileContext
-from ..flat import flatten_gradients
+from ..flat import is_new_flat_buffer
 from ..graph_utils import sl_tag
 from ..training import Accumulation
 
@@ -64,12 +64,9 @@ def is_keepable(node: fx.Node) -> bool:
     New: a concatenation of several gradients, or a cast. One gradient
     flattened is a view of it, not a buffer of its own (Note [reductions in place]).
     """
-    if node.op != "call_function" or node.target is not flatten_gradients or len(node.users) != 1:
+    if not is_new_flat_buffer(node):
         return False
-    dtype, *grads = node.args
     (user,) = node.users
-    if len(grads) < 2 and dtype is None:
-        return False
     group = collectives.group_of(user)
     return user.target is collectives.all_reduce and user.args[0] is node and group is not None and group[1] > 1
 
