@@ -130,13 +130,18 @@ def _run_group(pool: WorkerPool, spec: RunSpec) -> list[dict]:
     return runs
 
 
+_PEERS_FIRST = ("shardlang", "single", "fsdp2", "ddp")
+
+
 def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str, ...]]:
     """Modes packed into runs whose resident memory, over all ranks, stays under ``budget`` bytes (Note [pools]).
 
-    Modes are placed first-fit in order, shardlang and FSDP2 first, so that the
-    comparison that matters most is always side by side.
+    Modes are placed first-fit in order, the peers that targets compare against
+    first (shardlang, one process, FSDP2, torch DDP), so that they share the first
+    group with each other and with as many of the other modes as fit: a ratio
+    between two groups compares different moments of the machine's load.
     """
-    first = [m for m in ("shardlang", "fsdp2") if m in modes]
+    first = [m for m in _PEERS_FIRST if m in modes]
     groups: list[list[str]] = []
     for mode in first + [m for m in modes if m not in first]:
         need = _resident_estimate(mode, ref)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from benchmarks.compare import memory_groups
+from benchmarks.reference import Reference
 from benchmarks.report import aggregate
 
 
@@ -26,3 +28,13 @@ def test_the_loss_is_compared_with_one_process_only_on_the_same_global_batch():
     # The latency setting: one sequence per rank, so N = 2 trains on twice the batch of one process.
     grown = {r["world"]: r for r in aggregate(_results(per_rank_batch=1))["rows"]}
     assert grown[2]["loss_diff"] is None and grown[1]["loss_diff"] == 0.0
+
+
+def test_memory_groups_put_the_peer_a_target_compares_with_in_the_first_group():
+    ref = Reference(params=100_000_000, largest_unit=0, activations=0, world=4)
+    strategies = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "ddp")
+    groups = memory_groups(strategies, ref, budget=20 * 2**30)  # not all four: each group holds under 20 GiB
+    assert len(groups) == 2 and "ddp" in groups[0] and len(groups[0]) == 3
+    assert sorted(m for g in groups for m in g) == sorted(strategies)  # each mode runs once
+    assert groups[0] == ("shardlang-zero2", "shardlang-zero1", "ddp")  # in the order asked for
+    assert memory_groups(strategies, ref, budget=2**40) == [strategies]
