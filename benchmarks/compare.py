@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the pools stop their ranks
     quick = {"sizes": ["tiny"], "world_sizes": [1, 2], "warmup": 1, "steps": 1, "prime": False}
-    full = {"sizes": DEFAULT_SIZES, "world_sizes": [1, 2, 4], "warmup": 2, "steps": 3, "prime": True}
+    full = {"sizes": DEFAULT_SIZES, "world_sizes": [1, 2, 4], "warmup": 2, "steps": 5, "prime": True}
     for key, value in (quick if args.quick else full).items():  # options given explicitly win
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -228,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"modes besides the one-process reference, from {', '.join(MODES[1:])} "
                         "(default: all)")
     p.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 2)")
-    p.add_argument("--steps", type=int, help="timed steps (default 3); one instrumented step follows")
+    p.add_argument("--steps", type=int,
+                   help="timed steps (default 5, their median is reported); one instrumented step follows")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")
     p.add_argument("--no-exposed", dest="exposed", action="store_false",
                    help="skip the fake-backend runs (no exposed-communication fraction)")
