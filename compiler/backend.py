@@ -37,6 +37,12 @@ the optimizer updates of all flats into one kernel after the last wait, so each
 reduction's received blocks live until then (more memory than the plan counts
 for the eager graph, not more exposed communication).
 
+The step's 0-d arithmetic (the optimizer's bias corrections from the step
+count and the learning rate) runs eagerly before the compiled graph, which
+takes its results as inputs (`step_scalars`, Note [step scalars before
+inductor]): inlined into the update's kernel it cost two ``std::pow`` per
+vector of 8 elements.
+
 Caches: inductor's FX graph cache is on (torch's default, kept on here), so the
 second process that compiles the same graph on the same machine loads the
 kernels instead of building them. It keys on a shape environment that only a
@@ -59,6 +65,7 @@ import torch
 import torch.fx as fx
 
 from .errors import CompileError
+from .step_scalars import StepScalars, split_step_scalars
 
 
 #: Inductor settings that keep the compiled step in the schedule's order (Note [inductor keeps the schedule]).
@@ -126,11 +133,30 @@ def compile_graph(gm: fx.GraphModule, backend: StepBackend, example_inputs: Sequ
     # compile_fx rewrites the graph it is given; the step keeps its own for inspection.
     # Inductor's FX graph cache needs a shape environment to key on, which only a tracing context
     # (dynamo's, normally) provides: without one every compile bypasses the cache. Static shapes.
+    # The step's 0-d arithmetic runs eagerly before the compiled graph (Note [step scalars before inductor]).
+    split = split_step_scalars(gm, example_inputs)
+    inputs = list(example_inputs)
+    if split is not None:
+        gm = split.graph_module
+        with torch.no_grad():
+            inputs += split.prologue(*split.scalar_inputs(example_inputs))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with torch.no_grad(), tracing(TracingContext(fake_mode)), \
             config.patch({**_KEEP_THE_SCHEDULE, "fallback_random": True, "fx_graph_cache": True}):
-        fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in example_inputs]
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
         compiled = compile_fx(copy.deepcopy(gm), fakes)
     elapsed = time.perf_counter() - started
-    return CompiledRunner(backend, compiled, elapsed, counters["inductor"]["fxgraph_cache_hit"] > hits_before)
+    run = compiled if split is None else _with_prologue(compiled, split)
+    return CompiledRunner(backend, run, elapsed, counters["inductor"]["fxgraph_cache_hit"] > hits_before)
+
+
+def _with_prologue(compiled: Callable, split: StepScalars) -> Callable:
+    prologue, indices = split.prologue, split.scalar_indices
+
+    def run(*inputs):
+        with torch.no_grad():
+            extra = prologue(*(inputs[i] for i in indices))
+        return compiled(*inputs, *extra)
+
+    return run
 
