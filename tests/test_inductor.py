@@ -101,3 +101,18 @@ def test_cost_model_counts_fused_compute_once():
     assert fused.compute_s < eager.compute_s
     matmuls = [n for n in nodes.values() if n.op == "call_function" and "mm" in str(n.target)]
     assert matmuls and all(n.name in fusion.kernels for n in matmuls)
+
+
+def test_log_softmax_stays_aten_and_the_table_keeps_the_fx_graph_cache():
+    """Note [log-softmax stays aten]: inductor calls aten's log-softmax and its backward; the table passed to
+    compile_fx pickles (into the FX graph cache's key) as the call that builds it, the same in every process."""
+    import pickle
+
+    from shardlang.compiler.backend import decompositions
+
+    aten = torch.ops.aten
+    table = decompositions()
+    assert aten._log_softmax.default not in table and aten._log_softmax_backward_data.default not in table
+    assert aten._softmax.default in table and aten.nll_loss_forward.default in table
+    assert pickle.dumps(table) == pickle.dumps(decompositions())
+    assert pickle.loads(pickle.dumps(table)).keys() == table.keys()

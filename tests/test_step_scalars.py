@@ -89,7 +89,7 @@ def test_the_inductor_backend_compiles_the_graph_without_its_step_scalars():
     (case, eager), (_, other) = _step("adamw"), _step("adamw")
     handed = []
 
-    def fake_compile_fx(gm, fakes):
+    def fake_compile_fx(gm, fakes, **kwargs):
         handed.append((gm, len(fakes)))
         return gm
 
