@@ -38,8 +38,8 @@ def check_input_mutations(graph: fx.Graph, inputs) -> None:
     for node in graph.nodes:
         if node.meta.get("custom", {}).get("phase") == _OPTIMIZER:
             continue
-        for arg in _written_args(node):
-            spec = placeholders.get(_base(arg))
+        for arg in written_args(node):
+            spec = placeholders.get(alias_base(arg))
             if spec is None or spec.role.value not in (_FLAT, _BATCH):
                 continue
             member = arg.meta.get("custom", {}).get("member")
@@ -57,7 +57,8 @@ def check_input_mutations(graph: fx.Graph, inputs) -> None:
                              f"what to do: {fix}", site=site)
 
 
-def _written_args(node: fx.Node) -> list[fx.Node]:
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes an aten op writes in place (each element of a written list: ``_foreach_*_``); none for other calls."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return []
@@ -66,12 +67,11 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-        if isinstance(value, fx.Node):
-            written.append(value)
+        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)]
     return written
 
 
-def _base(node: fx.Node) -> fx.Node:
+def alias_base(node: fx.Node) -> fx.Node:
     """Follow views (and in-place ops, which return their input) back to the tensor they alias."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args \
             and isinstance(node.args[0], fx.Node):

@@ -37,6 +37,8 @@ import attrs
 import torch
 import torch.fx as fx
 
+from .mutations import alias_base, written_args
+
 
 @attrs.frozen
 class StepScalars:
@@ -142,27 +144,10 @@ def _movable(node: fx.Node) -> bool:
 
 
 def _written_bases(node: fx.Node) -> list[fx.Node]:
-    """The nodes ``node`` writes in place, each followed back through view ops to the tensor it views.
+    """The tensors ``node`` writes in place, each as the node it is a view of (`mutations.alias_base`).
 
     A call of anything but an aten op (shardlang's own helpers) may write any input it is given.
     """
-    target = node.target
-    if node.op != "call_function":
-        return []
-    if not isinstance(target, torch._ops.OpOverload):
+    if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
         return list(node.all_input_nodes)
-    if not target._schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            while isinstance(v, fx.Node):
-                out.append(v)
-                t = v.target
-                is_view = (v.op == "call_function" and isinstance(t, torch._ops.OpOverload)
-                           and any(r.alias_info is not None for r in t._schema.returns) and v.args)
-                v = v.args[0] if is_view else None
-    return out
+    return [alias_base(arg) for arg in written_args(node)]
