@@ -41,8 +41,8 @@ The step's 0-d arithmetic (the optimizer's bias corrections from the step
 count and the learning rate) runs eagerly before the compiled graph, which
 takes its results as inputs (`step_scalars`, Note [step scalars before
 inductor]): inlined into the update's kernel it cost two ``std::pow`` per
-vector of 8 elements. Log-softmax and its backward stay aten's calls (Note
-[log-softmax stays aten]).
+vector of 8 elements. On the CPU, log-softmax and its backward stay aten's
+calls (Note [log-softmax stays aten]).
 
 Caches: inductor's FX graph cache is on (torch's default, kept on here), so the
 second process that compiles the same graph on the same machine loads the
@@ -145,14 +145,25 @@ def compile_graph(gm: fx.GraphModule, backend: StepBackend, example_inputs: Sequ
     with torch.no_grad(), tracing(TracingContext(fake_mode)), \
             config.patch({**_KEEP_THE_SCHEDULE, "fallback_random": True, "fx_graph_cache": True}):
         fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
-        compiled = compile_fx(copy.deepcopy(gm), fakes, decompositions=decompositions())
+        compiled = compile_fx(copy.deepcopy(gm), fakes, decompositions=decompositions(kept_aten_ops(inputs)))
     elapsed = time.perf_counter() - started
     run = compiled if split is None else _with_prologue(compiled, split)
     return CompiledRunner(backend, run, elapsed, counters["inductor"]["fxgraph_cache_hit"] > hits_before)
 
 
-#: Ops inductor calls as aten's instead of decomposing them (Note [log-softmax stays aten]).
+#: Ops inductor calls as aten's on the CPU instead of decomposing them (Note [log-softmax stays aten]).
 _NOT_DECOMPOSED = ("aten::_log_softmax", "aten::_log_softmax_backward_data")
+
+
+def kept_aten_ops(inputs: Sequence[torch.Tensor]) -> tuple[str, ...]:
+    """The ops that stay aten's for a step on these inputs: log-softmax on the CPU, none elsewhere.
+
+    Note [log-softmax stays aten] was measured on the CPU's C++ kernels only; on a GPU inductor's
+    Triton kernel for the decomposed log-softmax is the one torchtitan users get, so it stays.
+    Example: ``kept_aten_ops([torch.zeros(2)]) == _NOT_DECOMPOSED``.
+    """
+    on_cpu = all(t.device.type == "cpu" for t in inputs if isinstance(t, torch.Tensor))
+    return _NOT_DECOMPOSED if on_cpu else ()
 
 
 class _Decompositions(dict):
@@ -169,7 +180,7 @@ class _Decompositions(dict):
         return decompositions, (self.kept,)
 
 
-def decompositions(kept: tuple[str, ...] = _NOT_DECOMPOSED) -> dict:
+def decompositions(kept: tuple[str, ...]) -> dict:
     """Inductor's decompositions, less those of the ops named in ``kept`` (Note [log-softmax stays aten]).
 
     Note [log-softmax stays aten]: decomposed, a language model's log-softmax over the vocabulary and its
@@ -179,7 +190,7 @@ def decompositions(kept: tuple[str, ...] = _NOT_DECOMPOSED) -> dict:
     logits-sized buffer of log-probabilities that the fused kernel never wrote: the compiled peak at 10M rose
     by 15 to 17 MiB (to eager's). Example::
 
-        compile_fx(gm, fakes, decompositions=decompositions())
+        compile_fx(gm, fakes, decompositions=decompositions(kept_aten_ops(inputs)))
     """
     from torch._inductor.decomposition import select_decomp_table
 

@@ -71,23 +71,7 @@ def split_step_scalars(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     scalar_inputs = {p for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor) and x.dim() == 0}
-    written = set()  # placeholders and moved nodes written in place so far, in graph order
-    moved: dict[fx.Node, None] = {}
-    for node in gm.graph.nodes:
-        if _movable(node) and all(a in moved or a in scalar_inputs for a in node.all_input_nodes) \
-                and not any(a in written for a in node.all_input_nodes) and node.all_input_nodes:
-            moved[node] = None
-        for arg in _written_bases(node):
-            written.add(arg)
-    moved = {n: None for n in moved if n not in written}
-    # A node whose input was dropped above (written later) cannot stay moved either.
-    changed = True
-    while changed:
-        changed = False
-        for n in list(moved):
-            if any(a not in moved and a not in scalar_inputs for a in n.all_input_nodes):
-                del moved[n]
-                changed = True
+    moved = _movable_nodes(gm.graph, scalar_inputs)
     frontier = [n for n in moved if any(u not in moved for u in n.users)]
     if not frontier:
         return None
@@ -104,30 +88,36 @@ def split_step_scalars(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor
 
     main = copy.deepcopy(gm)
     by_name = {n.name: n for n in main.graph.nodes}
-    last = [n for n in main.graph.nodes if n.op == "placeholder"][-1]
-    with main.graph.inserting_after(last):
-        new_inputs = []
-        for n in frontier:
-            p = main.graph.placeholder(f"{n.name}_scalar")
-            p.meta = {k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")}
-            new_inputs.append(p)
-    for n, p in zip(frontier, new_inputs):
-        by_name[n.name].replace_all_uses_with(p)
+    anchor = [n for n in main.graph.nodes if n.op == "placeholder"][-1]
+    for n in frontier:  # each new input after the one before: the prologue's outputs, in order
+        with main.graph.inserting_after(anchor):
+            anchor = main.graph.placeholder(f"{n.name}_scalar")
+        anchor.meta = {k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")}
+        by_name[n.name].replace_all_uses_with(anchor)
     for n in reversed(list(moved)):
         main.graph.erase_node(by_name[n.name])
-    _order_placeholders(main.graph, new_inputs)
     main.recompile()
     return StepScalars(main, fx.GraphModule(gm, prologue_graph),
                        tuple(placeholders.index(p) for p in used_inputs), tuple(n.name for n in moved))
 
 
-def _order_placeholders(graph: fx.Graph, new_inputs: list[fx.Node]) -> None:
-    """Put ``new_inputs`` after every other placeholder, in their list order."""
-    others = [n for n in graph.nodes if n.op == "placeholder" and n not in new_inputs]
-    anchor = others[-1]
-    for p in new_inputs:
-        anchor.append(p)
-        anchor = p
+def _movable_nodes(graph: fx.Graph, scalar_inputs: set[fx.Node]) -> dict[fx.Node, None]:
+    """The nodes that go to the prologue, in graph order: one pass, since a node's inputs come before it.
+
+    A node moves when it is a movable op, never written in place itself, and each of its inputs is a
+    0-d graph input or a moved node, not written in place before the node reads it.
+    """
+    first_write: dict[fx.Node, int] = {}  # each written tensor, by the index of the first node that writes it
+    for index, node in enumerate(graph.nodes):
+        for base in _written_bases(node):
+            first_write.setdefault(base, index)
+    moved: dict[fx.Node, None] = {}
+    for index, node in enumerate(graph.nodes):
+        inputs = node.all_input_nodes
+        if inputs and _movable(node) and node not in first_write and all(
+                (a in moved or a in scalar_inputs) and first_write.get(a, index) >= index for a in inputs):
+            moved[node] = None
+    return moved
 
 
 def _movable(node: fx.Node) -> bool:
