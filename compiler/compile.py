@@ -49,9 +49,12 @@ class CompiledStep:
     def flats(self) -> tuple[FlatParam, ...]:
         return self.context.flats
 
-    @property
+    @functools.cached_property
     def memory(self):
-        """The static memory plan (`compiler.memory.MemoryPlan`) with the default collective scratch."""
+        """The static memory plan (`compiler.memory.MemoryPlan`) with the default collective scratch.
+
+        Planned on first access and kept: the graph and schedule it reads do not change after compile.
+        """
         from .memory import plan_memory
 
         return plan_memory(self.graph_module, self.schedule, self.context.inputs)

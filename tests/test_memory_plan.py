@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from torch import nn
@@ -84,6 +85,12 @@ def test_every_byte_is_accounted_for(gpt_plans):
     persistent = sum(plan.breakdown[c.value] for c in (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS))
     assert persistent == plan.persistent
     assert plan.nodes[-1].after - plan.persistent < 64  # after the step: the inputs and the 0-d loss
+
+
+def test_the_plan_is_made_once_per_compiled_step(gpt_plans):
+    compiled = gpt_plans[2]
+    assert compiled.memory is compiled.memory
+    assert attrs.evolve(compiled).memory is not compiled.memory  # a new step plans its own
 
 
 def test_persistent_bytes_are_the_shards_and_optimizer_state(gpt_plans):
