@@ -16,8 +16,9 @@ without ever holding the whole model:
    name)``: ``reset_parameters()`` if the module has one, then
    ``init_weights(module)`` if given. A floating tensor still NaN afterwards
    was set by neither: a `SpecError` names it.
-3. This rank's pieces of the unit's flat parameters are cut from those
-   values (`compiler.flat.member_piece`), or read from the weights files
+3. This rank's pieces of the unit's flat parameters (or its slice of a
+   whole flat, Note [whole-flat shards]) are cut from those values
+   (`compiler.flat.member_piece`), or read from the weights files
    (Note [reading shards]); the unit's buffers are kept whole; the modules'
    tensors go back to meta.
 
@@ -170,12 +171,33 @@ def _open_weights(init: Init, model: nn.Module) -> tuple[WeightFiles | None, dic
 
 def _storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFiles | None, from_file: dict[str, str],
              rank: int) -> torch.Tensor:
-    """This rank's parameter storage for ``flat``: its members' pieces, concatenated and padded (Note [shard layout])."""
+    """This rank's parameter storage for ``flat``: its members' pieces, concatenated and padded (Note [shard layout]).
+
+    In the whole layout under ZeRO-3 / ZeRO-2, the part of each member inside this rank's slice
+    (Note [whole-flat shards]).
+    """
+    if flat.params_sharded and flat.whole_layout:
+        return _slice_storage(flat, values, files, from_file, rank)
     pieces = [files.read_piece(from_file[m.name], m, rank) if m.name in from_file
               else member_piece(m, values[m.name].detach(), rank) for m in flat.members]
     out = torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
     return torch.nn.functional.pad(out, (0, flat.storage_numel - out.numel())) if out.numel() < flat.storage_numel \
         else out
+
+
+def _slice_storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFiles | None,
+                   from_file: dict[str, str], rank: int) -> torch.Tensor:
+    """Slice ``rank`` of the whole flat, built from the members' ranges inside it (Note [whole-flat shards])."""
+    start, size = rank * flat.shard_numel, flat.shard_numel
+    parts = []
+    for m in flat.members:
+        lo, hi = max(start, m.offset) - m.offset, min(start + size, m.offset + m.info.numel) - m.offset
+        if lo >= hi:
+            continue
+        parts.append(files.read_range(from_file[m.name], m.info, lo, hi) if m.name in from_file
+                     else values[m.name].detach().reshape(-1)[lo:hi])
+    out = torch.cat(parts) if parts else torch.empty(0, dtype=flat.dtype)
+    return torch.nn.functional.pad(out, (0, size - out.numel())) if out.numel() < size else out
 
 
 @attrs.frozen

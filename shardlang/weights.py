@@ -172,6 +172,13 @@ class WeightFiles:
             slab = torch.nn.functional.pad(slab, pad)
         return slab.reshape(-1)
 
+    def read_range(self, name: str, info, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` flattened, in the dtype of parameter ``info`` (`ParamInfo`).
+
+        A rank's part of a member in a whole flat (Note [whole-flat shards] in `compiler.flat`).
+        """
+        return self._read_range(name, tuple(info.shape), lo, hi).to(info.dtype)
+
     def _read_range(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor, reading only the rows of dim 0 that hold them."""
         if hi <= lo:  # this rank's piece is all padding

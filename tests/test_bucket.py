@@ -24,8 +24,12 @@ def test_small_alike_flats_merge_until_the_bucket_is_full():
     assert [f.unit for f in flats] == ["a+b", "c", "d+e", "f"]
     merged = flats[0]
     assert [m.name for m in merged.members] == ["a.w", "b.w"]
-    assert [m.offset for m in merged.members] == [0, 5]  # pieces of 5 elements each on 2 ranks
-    assert merged.shard_numel == 10
+    assert [m.offset for m in merged.members] == [0, 10]  # whole members (Note [whole-flat shards])
+    assert merged.shard_numel == 10  # each rank's slice of the 20
+    dim = Placement(LayoutKind.SHARD_DIM, "fsdp", 0)
+    (pieces,) = bucket_flat_params(build_flat_params((param("a.w", 10, "a", placement=dim),
+                                                      param("b.w", 10, "b", placement=dim)), MESH), bucket_bytes=80)
+    assert [m.offset for m in pieces.members] == [0, 5]  # sharded along a dim: pieces of 5 on each rank
 
 
 def test_unlike_flats_do_not_merge():

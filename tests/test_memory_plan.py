@@ -160,3 +160,24 @@ def test_views_and_in_place_updates_allocate_nothing():
             assert record.allocated == 0, record
     updates = [op for op in plan.ops if compiled.schedule.ops[op.index].kind is OpKind.OPTIMIZER]
     assert updates and all(op.allocated <= op.freed + 64 for op in updates)  # temporaries come and go
+
+
+@pytest.mark.parametrize("rule, copies", [(sl.shard("fsdp"), False), (sl.shard("fsdp", dim=0), True)])
+def test_a_unit_sharded_flat_is_gathered_as_views_and_one_sharded_along_a_dim_is_copied_out(rule, copies):
+    """Note [whole-flat shards]: a gathered member of a whole flat is a view of the gathered buffer, which lives
+    until the unit's free; in the pieces layout each member is a copy and the buffer dies after the copies."""
+    from shardlang.compiler.flat import FlatLayout
+    from shardlang.compiler.graph_utils import sl_tag, unpack_copies
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4))
+    batch = (torch.randn(2, 8), torch.randn(2, 4))
+    compiled = sl.plan(model, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), sl.Spec(sl.Mesh(fsdp=-1), rules=[("*", rule)]),
+                       optimizer=sl.SGD(lr=0.1), example_batch=batch, world_size=2)
+    assert {f.layout for f in compiled.flats} == {FlatLayout.PIECES if copies else FlatLayout.WHOLE}
+    unpacks = [n for n in compiled.graph_module.graph.nodes if sl_tag(n).get("kind") == "unpack"]
+    assert len(unpacks) >= 4  # two weights and two biases, gathered for forward (and again for backward)
+    assert all(unpack_copies(n) is copies for n in unpacks)
+    gathered = {r.name: r for r in compiled.memory.nodes}
+    allocated = sum(gathered[n.name].allocated for n in unpacks)
+    assert (allocated > 0) is copies  # views allocate nothing

@@ -29,14 +29,12 @@ def plan_case(case_name, world_size, dtype=torch.float32, **options):
                    check_each_pass=True)
 
 
-def padded_bytes(model, world_size, trainable_only=False):
-    """M from first principles: every parameter flattened and padded to a multiple of N."""
-    total = 0
-    for p in model.parameters():  # tied parameters appear once
-        if trainable_only and not p.requires_grad:
-            continue
-        total += math.ceil(p.numel() / world_size) * world_size * p.element_size()
-    return total
+def padded_bytes(schedule, model, world_size, trainable_only=False):
+    """M from first principles: each flat parameter's members concatenated whole and padded once to a multiple
+    of N (Note [whole-flat shards]); together the flat parameters hold every parameter of the model once."""
+    assert sum(f.numel for f in schedule.flats) == sum(p.numel() for p in model.parameters())  # tied ones once
+    flats = [f for f in schedule.flats if f.sharded and (f.trainable or not trainable_only)]
+    return sum(math.ceil(f.numel / world_size) * world_size * f.element_size for f in flats)
 
 
 def regathered(schedule):
@@ -48,7 +46,8 @@ def regathered(schedule):
 def test_bytes_follow_the_formula(case_name, world_size):
     schedule = plan_case(case_name, world_size).schedule
     model = CASES[case_name].build()
-    m_all, m_trainable = padded_bytes(model, world_size), padded_bytes(model, world_size, trainable_only=True)
+    m_all = padded_bytes(schedule, model, world_size)
+    m_trainable = padded_bytes(schedule, model, world_size, trainable_only=True)
     again = sum(schedule.flat(f).padded_bytes for f in regathered(schedule))
     summary = schedule.summary
     # Full sharding: gather everything once for forward, again for backward what it re-gathers,
@@ -63,7 +62,7 @@ def test_bytes_follow_the_formula(case_name, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_without_resharding_gathers_once(world_size):
     schedule = plan_case("gpt_tiny", world_size, reshard_after_forward=False).schedule
-    m = padded_bytes(CASES["gpt_tiny"].build(), world_size)
+    m = padded_bytes(schedule, CASES["gpt_tiny"].build(), world_size)
     assert schedule.summary.bytes_per_rank == {"all_gather": m, "reduce_scatter": m, "all_reduce": 0}
     assert not regathered(schedule)
 
@@ -76,7 +75,7 @@ def test_regathers_every_block_but_the_last():
     build = lambda: gpt.make_gpt(n_layer=4)  # noqa: E731
     schedule = sl.plan(build, gpt.loss_fn, spec, example_batch=batch, world_size=4).schedule
     assert regathered(schedule) == {"blocks.0", "blocks.1", "blocks.2"}
-    m = padded_bytes(build(), 4)
+    m = padded_bytes(schedule, build(), 4)
     assert schedule.summary.bytes_per_rank["all_gather"] == m + sum(schedule.flat(f"blocks.{i}").padded_bytes
                                                                    for i in range(3))
 

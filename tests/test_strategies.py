@@ -113,15 +113,10 @@ def plan(case_name, world_size, strategies, rules=None, mesh=None):
                    check_each_pass=True).schedule
 
 
-def per_member_padded(model, n, trainable_only=False):
-    """ZeRO-3/2: every parameter flattened and padded to a multiple of N."""
-    return sum(math.ceil(p.numel() / n) * n * p.element_size() for p in model.parameters()
-               if p.requires_grad or not trainable_only)
-
-
-def whole_flat_padded(schedule, n):
-    """ZeRO-1: each trainable flat parameter's members concatenated, padded once to a multiple of N."""
-    return sum(math.ceil(f.numel / n) * n * f.element_size for f in schedule.flats if f.trainable)
+def whole_flat_padded(schedule, n, trainable_only=True):
+    """Each sharded flat parameter's members concatenated, padded once to a multiple of N (Note [whole-flat shards])."""
+    return sum(math.ceil(f.numel / n) * n * f.element_size for f in schedule.flats
+               if f.sharded and (f.trainable or not trainable_only))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -130,7 +125,7 @@ def test_bytes_follow_each_strategys_formula(strategy, world_size):
     n = world_size
     schedule = plan("prime", n, [("*", strategy)])
     model = CASES["prime"].build(torch.float64)
-    m, m_trainable = per_member_padded(model, n), per_member_padded(model, n, trainable_only=True)
+    m, m_trainable = whole_flat_padded(schedule, n, trainable_only=False), whole_flat_padded(schedule, n)
     regathered = sum(schedule.flat(op.flat).padded_bytes for op in schedule.ops
                      if op.kind is OpKind.ALL_GATHER and op.detail == "re-gather for backward")
     whole = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -5,7 +5,9 @@ each member parameter is a detached view of it.
 After: the placeholder is this rank's shard (Note [shard layout] in
 `compiler.flat`). Right before the first forward use of any member, the pass
 inserts ``all_gather -> wait -> unpack`` (one collective for the whole flat
-parameter) and every use of a member's leaf reads the unpacked tensor instead.
+parameter) and every use of a member's leaf reads the unpacked tensor instead:
+a view of the gathered buffer in the whole layout, a copy of its pieces in the
+pieces layout (Note [whole-flat shards]).
 Flat parameters whose strategy keeps them whole on every rank (ZERO1, DDP)
 are left as they are: forward reads its views of the placeholder.
 

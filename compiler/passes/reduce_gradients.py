@@ -6,8 +6,9 @@ optimizer reads.
 After: right after the last member gradient is produced, the pass packs them
 into the reduce layout and issues one collective for the flat parameter:
 ``reduce_scatter`` when it is sharded (each rank keeps its shard, Note [shard
-layout]), ``all_reduce`` when replicated. Under ZERO1 the packed gradient is
-the whole flat gradient, padded (Note [whole-flat shards]). On a mesh with
+layout]), ``all_reduce`` when replicated. In the whole layout (ZERO1, and a
+unit sharded flat) the packed gradient is the whole flat gradient, padded
+(Note [whole-flat shards]). On a mesh with
 more than one axis a sharded gradient's shard is then all-reduced across the
 other axes (Note [hybrid reduction]). Every gradient is divided by the whole
 world, so it is the mean over every rank's batch (in a world of one, the
@@ -59,11 +60,11 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         order = positions(graph)
         complete = max(grads, key=order.__getitem__)
         with graph.inserting_before(complete.next):
-            if flat.params_sharded:
+            if flat.params_sharded and not flat.whole_layout:
                 specs = [(m.kind.value, m.dim, m.piece_numel, m.local_shape[m.dim] if m.dim is not None else None,
                           list(m.info.shape)) for m in flat.members]
                 packed = graph.call_function(pack_gradients, (flat.world, specs, _pack_dtype(flat), *grads))
-            elif flat.sharded:  # ZERO1: the whole flat gradient, padded (Note [whole-flat shards])
+            elif flat.sharded:  # the whole flat gradient, padded (Note [whole-flat shards])
                 packed = graph.call_function(pack_whole_gradients, (flat.padded_numel, _pack_dtype(flat), *grads))
             else:
                 packed = graph.call_function(flatten_gradients, (_pack_dtype(flat), *grads))

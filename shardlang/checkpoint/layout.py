@@ -7,9 +7,11 @@ rank's piece of a member sharded flat is a contiguous range ``[lo, hi)`` of
 the member's row-major flattening (Note [shard layout] in `compiler.flat`),
 which is not one rectangle but a union of a few: a partial row, whole rows, a
 partial row, each partial row split the same way one dimension down
-(`range_chunks`). Each of those chunks is itself a contiguous run of the flat
-storage, so its tensor is a view of the rank's storage, and DCP reads into and
-writes from the storage directly. A member sharded along a dim is one chunk
+(`range_chunks`). So is the part of a member inside a rank's slice of a whole
+flat (Note [whole-flat shards]), which may start and end mid-member. Each of
+those chunks is itself a contiguous run of the flat storage, so its tensor is
+a view of the rank's storage, and DCP reads into and writes from the storage
+directly. A member sharded along a dim is one chunk
 (the slab, clipped to the real size); a whole member is one chunk. Padding
 is outside every chunk, so it is never saved and a load never reads it.
 
@@ -144,6 +146,9 @@ def parameter_pieces(flat: FlatParam, member: Member, storage: torch.Tensor, coo
 
     ``coordinate`` is the rank's coordinate on the flat's axis (0 when replicated).
     """
+    if flat.params_sharded and flat.whole_layout:  # the rank holds its slice of the whole, nothing more
+        pieces = _slice_pieces(flat, member, storage, coordinate, base=coordinate * flat.shard_numel)
+        return pieces, pieces
     if flat.params_sharded:
         pieces = sharded_pieces(member, storage[member.offset : member.offset + member.piece_numel], coordinate)
         return pieces, pieces
@@ -155,7 +160,7 @@ def parameter_pieces(flat: FlatParam, member: Member, storage: torch.Tensor, coo
 
 def optimizer_pieces(flat: FlatParam, member: Member, state: torch.Tensor, coordinate: int) -> list[Piece]:
     """The chunks of one member in one optimizer-state tensor of ``flat`` (shaped like the optimizer's shard)."""
-    if flat.params_sharded:
+    if flat.params_sharded and not flat.whole_layout:
         return sharded_pieces(member, state[member.offset : member.offset + member.piece_numel], coordinate)
     if not flat.sharded:
         return whole_piece(member, state[member.offset :])
@@ -163,7 +168,7 @@ def optimizer_pieces(flat: FlatParam, member: Member, state: torch.Tensor, coord
 
 
 def _slice_pieces(flat: FlatParam, member: Member, buffer: torch.Tensor, coordinate: int, base: int) -> list[Piece]:
-    """ZeRO-1: the part of ``member`` inside rank ``coordinate``'s slice of the whole flat storage.
+    """The whole layout: the part of ``member`` inside rank ``coordinate``'s slice of the whole flat storage.
 
     ``buffer`` starts at storage element ``base`` (0 for the whole storage, the slice's start for
     optimizer state, which holds only the slice).
