@@ -280,12 +280,28 @@ def shard_of(flat: FlatParam, tensors: dict[str, torch.Tensor], rank: int) -> to
     Its shard when the strategy shards parameters; the whole flat parameter
     (padded under ZERO1, Note [whole-flat shards]) otherwise.
     """
-    whole = flat.params_sharded and flat.whole_layout  # slice ``rank`` of the whole (Note [whole-flat shards])
-    pieces = [member_piece(m, tensors[m.name].detach(), 0 if whole else rank) for m in flat.members]
+    if flat.params_sharded and flat.whole_layout:  # slice ``rank`` of the whole (Note [whole-flat shards])
+        pieces = [tensors[m.name].detach().reshape(-1)[lo:hi] for m, lo, hi in slice_spans(flat, rank)]
+    else:
+        pieces = [member_piece(m, tensors[m.name].detach(), rank) for m in flat.members]
     out = torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
-    if whole:
-        return _pad_flat(out, flat.padded_numel).narrow(0, rank * flat.shard_numel, flat.shard_numel).clone()
     return _pad_flat(out, flat.storage_numel)
+
+
+def member_span(flat: FlatParam, member: Member, coordinate: int) -> tuple[int, int]:
+    """In the whole layout: the elements ``[lo, hi)`` of ``member`` (flattened) inside slice ``coordinate``.
+
+    Empty (``lo >= hi``) when the slice holds none of it (Note [whole-flat shards]).
+    """
+    start = coordinate * flat.shard_numel
+    lo = max(start, member.offset) - member.offset
+    hi = min(start + flat.shard_numel, member.offset + member.info.numel) - member.offset
+    return lo, hi
+
+
+def slice_spans(flat: FlatParam, coordinate: int) -> list[tuple[Member, int, int]]:
+    """In the whole layout: each member with elements in slice ``coordinate``, and their ``[lo, hi)``, in order."""
+    return [(m, lo, hi) for m in flat.members for lo, hi in [member_span(flat, m, coordinate)] if lo < hi]
 
 
 # ---- graph node targets --------------------------------------------------------------

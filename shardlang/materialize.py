@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .compiler.compile import CompiledStep
-from .compiler.flat import FlatParam, member_piece
+from .compiler.flat import FlatParam, member_piece, slice_spans
 from .errors import SpecError
 from .state import TrainState, optimizer_slice, shard_coordinate
 from .units import ROOT_UNIT, unit_label, unit_of
@@ -188,15 +188,10 @@ def _storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFile
 def _slice_storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFiles | None,
                    from_file: dict[str, str], rank: int) -> torch.Tensor:
     """Slice ``rank`` of the whole flat, built from the members' ranges inside it (Note [whole-flat shards])."""
-    start, size = rank * flat.shard_numel, flat.shard_numel
-    parts = []
-    for m in flat.members:
-        lo, hi = max(start, m.offset) - m.offset, min(start + size, m.offset + m.info.numel) - m.offset
-        if lo >= hi:
-            continue
-        parts.append(files.read_range(from_file[m.name], m.info, lo, hi) if m.name in from_file
-                     else values[m.name].detach().reshape(-1)[lo:hi])
+    parts = [files.read_range(from_file[m.name], m.info, lo, hi) if m.name in from_file
+             else values[m.name].detach().reshape(-1)[lo:hi] for m, lo, hi in slice_spans(flat, rank)]
     out = torch.cat(parts) if parts else torch.empty(0, dtype=flat.dtype)
+    size = flat.shard_numel
     return torch.nn.functional.pad(out, (0, size - out.numel())) if out.numel() < size else out
 
 

@@ -33,7 +33,7 @@ import math
 import attrs
 import torch
 
-from ..compiler.flat import FlatParam, Member
+from ..compiler.flat import FlatParam, Member, member_span
 from ..compiler.placement import LayoutKind
 
 
@@ -173,9 +173,8 @@ def _slice_pieces(flat: FlatParam, member: Member, buffer: torch.Tensor, coordin
     ``buffer`` starts at storage element ``base`` (0 for the whole storage, the slice's start for
     optimizer state, which holds only the slice).
     """
-    c = flat.shard_numel
-    lo = max(coordinate * c, member.offset)
-    hi = min((coordinate + 1) * c, member.offset + member.info.numel)
+    lo, hi = member_span(flat, member, coordinate)
     if lo >= hi:
         return []
-    return range_pieces(member.info.shape, lo - member.offset, hi - member.offset, buffer[lo - base : hi - base])
+    start = member.offset - base
+    return range_pieces(member.info.shape, lo, hi, buffer[start + lo : start + hi])
