@@ -287,15 +287,16 @@ class Step:
         """The model's ``state_dict()``, whole, on CPU: parameters (tied names included) and buffers.
 
         A collective: call it on every rank. With ``rank0_only`` only rank 0
-        keeps the tensors (one flat parameter gathered at a time) and the other
-        ranks get ``{}``; for models that fit on one rank. Example::
+        keeps the tensors (one flat parameter gathered at a time): the shards
+        are gathered to rank 0 alone, so the other ranks send theirs, hold
+        nothing whole and get ``{}``; for models that fit on one rank. Example::
 
             sd = step.full_state_dict()
             if rank == 0:
                 torch.save(sd, "model.pt")    # loads with model.load_state_dict(sd)
         """
         keep = self.dist.is_main or not rank0_only
-        params = self._gather_parameters(keep=keep)
+        params = self._gather_parameters(keep=keep, to_main_only=rank0_only)
         if not keep:
             return {}
         out = {name: params[name].cpu() for name in self.names.parameters}
@@ -304,10 +305,16 @@ class Step:
         out.update({name: buffers[name].detach().cpu().clone() for name in self.names.persistent_buffers})
         return out
 
-    def _gather_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+    def _gather_parameters(self, keep: bool, to_main_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by name, where ``keep``; with ``to_main_only`` the shards go to rank 0 alone."""
         out = {}
         for flat, local in zip(self.compiled.flats, self.flat_tensors):
-            gathered = _all_gather(local, flat.world, self._groups.get(flat.axis)) if flat.params_sharded else local
+            if flat.params_sharded:
+                group = self._groups.get(flat.axis)
+                gathered = (_gather_to_main(local, flat.world, group, self.dist.is_main) if to_main_only
+                            else _all_gather(local, flat.world, group))
+            else:
+                gathered = local
             if not keep:
                 continue
             for m in flat.members:
@@ -446,6 +453,21 @@ def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:
     out = local.new_empty(local.numel() * world)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, local.contiguous(), group=group)
+    return out
+
+
+def _gather_to_main(local: torch.Tensor, world: int, group, is_main: bool) -> torch.Tensor | None:
+    """``local``'s flat gathered whole on rank 0 (None elsewhere): only rank 0's group gathers, to rank 0 alone.
+
+    The other groups of a hybrid mesh hold replicas of the same shards, so they have nothing to send.
+    """
+    if world == 1:
+        return local
+    if 0 not in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD):
+        return None
+    out = local.new_empty(local.numel() * world) if is_main else None
+    pieces = list(out.view(world, -1).unbind(0)) if is_main else None
+    dist.gather(local.contiguous(), pieces, dst=0, group=group)
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -259,12 +260,30 @@ def compile_twice_after_release(ctx, case_name: str):
     return [t.clone() for t in first.flat_tensors], [t.clone() for t in second.flat_tensors]
 
 
-def state_dict_on_rank0(ctx, case_name: str):
-    """``full_state_dict()`` on every rank after one step: rank 0 gets everything, the others ``{}``."""
+def state_dict_on_rank0(ctx, case_name: str, hybrid: bool = False):
+    """``full_state_dict()`` on every rank after one step: (its result, ``full_parameters()``, the collectives
+    ``full_state_dict`` issued on this rank, by name). ``hybrid``: a 2 x N/2 replicate x fsdp mesh."""
+    from unittest import mock
+
     case = META_CASES[case_name]
     model = meta_model(case_name, "float64")
     example = split_batch(case.make_batch(0, torch.float64), ctx.world_size, ctx.rank)
-    step = sl.compile(model, case.loss_fn, spec_variant(case, ctx.world_size, "units"), example_batch=example,
-                      dist_context=ctx)
+    spec = (sl.Spec(mesh=sl.Mesh(replicate=2, fsdp=ctx.world_size // 2), units=case.units) if hybrid
+            else spec_variant(case, ctx.world_size, "units"))
+    step = sl.compile(model, case.loss_fn, spec, example_batch=example, dist_context=ctx)
     step(example)
-    return step.full_state_dict(), step.full_parameters()
+    issued: dict[str, int] = {}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            issued[name] = issued.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.13
+    with mock.patch.object(dist, "gather", counted("gather", dist.gather)), \
+            mock.patch.object(dist, gather, counted("all_gather", getattr(dist, gather))):
+        sd = step.full_state_dict()
+    return sd, step.full_parameters(), issued
+
+

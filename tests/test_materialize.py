@@ -250,12 +250,18 @@ def test_a_released_module_compiles_again_to_the_same_state(run_on):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_full_state_dict_is_on_rank_0_only(run_on):
-    (sd, params), (other, _) = run_on(2, w.state_dict_on_rank0, "convnet_bn")
-    assert other == {}
+@pytest.mark.parametrize("world, hybrid", [(2, False), (4, False), (4, True)])
+def test_full_state_dict_is_gathered_to_rank_0_only(run_on, world, hybrid):
+    results = run_on(world, w.state_dict_on_rank0, "convnet_bn", hybrid)
+    (sd, params, issued), others = results[0], results[1:]
     reference = w.meta_model("convnet_bn", "float64").state_dict()
     assert list(sd) == list(reference) or set(sd) == set(reference)
     assert all(torch.equal(sd[n], p) for n, p in params.items())
+    assert issued.get("gather") and not issued.get("all_gather")  # to rank 0, not to every rank
+    for rank, (other, _, sent) in enumerate(others, start=1):
+        assert other == {}, f"rank {rank}"
+        in_rank0_group = not hybrid or rank < world // 2  # the replicate axis is the outer one
+        assert sent.get("gather", 0) == (issued["gather"] if in_rank0_group else 0) and not sent.get("all_gather")
 
 
 def test_full_state_dict_names_tied_parameters_by_every_name():
