@@ -139,14 +139,15 @@ def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str,
     Modes are placed first-fit in order, the peers that targets compare against
     first (shardlang, one process, FSDP2, torch DDP), so that they share the first
     group with each other and with as many of the other modes as fit: a ratio
-    between two groups compares different moments of the machine's load.
+    between two groups compares different moments of the machine's load. A
+    group needs every mode's state at once, but one step's transient at a time:
+    its modes run their steps in turn (`run_rank`).
     """
     first = [m for m in _PEERS_FIRST if m in modes]
     groups: list[list[str]] = []
     for mode in first + [m for m in modes if m not in first]:
-        need = _resident_estimate(mode, ref)
         for group in groups:
-            if sum(_resident_estimate(m, ref) for m in group) + need <= budget:
+            if group_estimate([*group, mode], ref) <= budget:
                 group.append(mode)
                 break
         else:
@@ -155,17 +156,31 @@ def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str,
     return [tuple(sorted(g, key=order.__getitem__)) for g in groups]
 
 
-# Bytes per parameter a mode holds on each rank, (whole, sharded over N), generously: parameters, gradients,
-# AdamW moments, DDP's buckets, ZeRO-2's gathered parameters, plus transients.
-_BYTES_PER_PARAM = {"single": (20, 0), "ddp": (24, 0), "shardlang-ddp": (20, 0), "shardlang-zero1": (8, 8),
-                    "shardlang": (0, 16), "shardlang-zero2": (4, 12), "fsdp2": (0, 16), "shardlang-inductor": (4, 16),
-                    "fsdp2-compile": (4, 16)}
+# Bytes per parameter each rank holds for a mode, generously, as (whole, sharded over N) pairs: first its state
+# between steps (parameters, AdamW moments, DDP's buckets and the reduction buffers shardlang-DDP keeps), then
+# what one step adds (gradients, ZeRO-2's gathered parameters, compiled buffers); the units gathered at once
+# and the activations come on top of the step's share (`_transient`).
+_STATE_PER_PARAM = {"single": (12, 0), "ddp": (16, 0), "shardlang-ddp": (16, 0), "shardlang-zero1": (4, 8),
+                    "shardlang": (0, 12), "shardlang-zero2": (0, 12), "fsdp2": (0, 12),
+                    "shardlang-inductor": (0, 12), "fsdp2-compile": (0, 12)}
+_STEP_PER_PARAM = {"single": (8, 0), "ddp": (8, 0), "shardlang-ddp": (4, 0), "shardlang-zero1": (4, 0),
+                   "shardlang": (0, 4), "shardlang-zero2": (4, 0), "fsdp2": (0, 4),
+                   "shardlang-inductor": (4, 4), "fsdp2-compile": (4, 4)}
 
 
-def _resident_estimate(mode: str, ref) -> float:
-    whole, sharded = _BYTES_PER_PARAM[mode]
-    per_rank = ref.params * (whole + sharded / ref.world) + 2 * ref.largest_unit + ref.activations
-    return ref.world * per_rank
+def group_estimate(modes, ref) -> float:
+    """Resident bytes over all ranks of ``modes`` run side by side: all their states, the largest step's transient."""
+    state = sum(_per_rank(_STATE_PER_PARAM[m], ref) for m in modes)
+    return ref.world * (state + max(_transient(m, ref) for m in modes))
+
+
+def _transient(mode: str, ref) -> float:
+    return _per_rank(_STEP_PER_PARAM[mode], ref) + 2 * ref.largest_unit + ref.activations
+
+
+def _per_rank(bytes_per_param: tuple[int, int], ref) -> float:
+    whole, sharded = bytes_per_param
+    return ref.params * (whole + sharded / ref.world)
 
 
 def _fmt_s(seconds: float) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.compare import memory_groups
+from benchmarks.compare import group_estimate, memory_groups
 from benchmarks.reference import Reference
 from benchmarks.report import aggregate
 
@@ -33,8 +33,18 @@ def test_the_loss_is_compared_with_one_process_only_on_the_same_global_batch():
 def test_memory_groups_put_the_peer_a_target_compares_with_in_the_first_group():
     ref = Reference(params=100_000_000, largest_unit=0, activations=0, world=4)
     strategies = ("shardlang-zero2", "shardlang-zero1", "shardlang-ddp", "ddp")
-    groups = memory_groups(strategies, ref, budget=20 * 2**30)  # not all four: each group holds under 20 GiB
+    groups = memory_groups(strategies, ref, budget=16 * 2**30)  # not all four: each group holds under 16 GiB
     assert len(groups) == 2 and "ddp" in groups[0] and len(groups[0]) == 3
     assert sorted(m for g in groups for m in g) == sorted(strategies)  # each mode runs once
     assert groups[0] == ("shardlang-zero2", "shardlang-zero1", "ddp")  # in the order asked for
     assert memory_groups(strategies, ref, budget=2**40) == [strategies]
+
+
+def test_a_group_needs_every_state_but_one_step_at_a_time():
+    ref = Reference(params=100_000_000, largest_unit=10_000_000, activations=50_000_000, world=4)
+    pair = ("shardlang-ddp", "ddp")
+    # per rank: both states (16 + 16 bytes a parameter), and DDP's step (8 a parameter, 2 units, the activations)
+    need = 4 * (32 * ref.params + 8 * ref.params + 2 * ref.largest_unit + ref.activations)
+    assert group_estimate(pair, ref) == need
+    assert memory_groups(pair, ref, budget=need) == [pair]
+    assert memory_groups(pair, ref, budget=need - 1) == [("ddp",), ("shardlang-ddp",)]
