@@ -67,6 +67,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
         _check_unbound_is_local(gm)
         return gm
     bound = copy.deepcopy(gm)
+    in_place = made_in_place(bound.graph)  # Note [reductions in place], decided on the unbound graph
     local: set[fx.Node] = set()  # collectives over one rank, left as identities
     exchanged: dict[fx.Node, tuple[int, object]] = {}  # reduce-scatters lowered to all-to-all: (N, result value)
     for node in list(bound.graph.nodes):
@@ -95,7 +96,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
         elif node.target is collectives.all_reduce:
             buffer, axis, _size = node.args
             # Note [reductions in place]: a buffer the pack made for this all-reduce alone is reduced in place.
-            op = _c10d.all_reduce_.default if _fresh_packed_buffer(buffer) else _c10d.all_reduce.default
+            op = _c10d.all_reduce_.default if node in in_place else _c10d.all_reduce.default
             node.target, node.args = op, (buffer, "sum", _group(group_names, axis))
         elif node.target is collectives.local_shard:
             full, axis, size = node.args
@@ -106,28 +107,64 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             node.target = _c10d.wait_tensor.default
             if node.args[0] in exchanged:
                 _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
-    _average_in_place(bound.graph)
+    for node in in_place:
+        if node.target is torch.ops.aten.div.Tensor:
+            node.target = torch.ops.aten.div_.Tensor
     _keep_reduction_buffers(bound.graph)
     bound.graph.lint()
     bound.recompile()
     return bound
 
 
-def _fresh_packed_buffer(buffer) -> bool:
-    """Whether ``buffer`` is a new concatenation of gradients that only the all-reduce reads.
+def made_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """The nodes of an unbound graph whose values `bind` makes in another node's storage, each mapped to that node.
 
     Note [reductions in place]: ``_c10d_functional.all_reduce`` clones its input
     and reduces the clone, one more pass over the whole gradient and a buffer as
     large. A buffer that `flatten_gradients` concatenated (or cast) for this
-    reduction is read by nothing else, so it can be reduced in place
-    (``all_reduce_``). A single gradient flattened is a view of that gradient,
-    not a new buffer: it keeps the clone. Likewise the average divides the
-    result of its reduction in place when nothing else reads that result
-    (`_average_in_place`). The values are the same to the bit; the memory plan,
-    made on the compiled graph, still counts the clone and the quotient, so it
-    stays an upper bound.
+    reduction is read by nothing else, so it is reduced in place
+    (``all_reduce_``): the all-reduce maps to the pack. A single gradient
+    flattened is a view of that gradient, not a new buffer: it keeps the clone.
+    Likewise an average divides the result of its reduction in place
+    (``div_``) when nothing else reads that result: it maps to the reduction's
+    wait, which returns the issued collective's result (or, on gloo, to the
+    local sum that replaces the wait, Note [reduce-scatter as all-to-all]). A
+    wait maps to its issue. The values are the same to the bit. `bind` takes
+    its in-place targets from this map, and the memory plan follows it for the
+    buffers kept between steps (Note [kept buffers in the plan] in
+    `compiler.memory`). For every other buffer the plan, made on the compiled
+    graph, still counts the clone and the quotient, so it stays an upper bound.
+
+    Example: for ``pack -> all_reduce -> wait -> average`` over two ranks,
+    ``{all_reduce: pack, wait: all_reduce, average: wait}``.
     """
-    return isinstance(buffer, fx.Node) and is_new_flat_buffer(buffer)
+    made: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.target is collectives.all_reduce and _over_ranks(node) and is_new_flat_buffer(node.args[0]):
+            made[node] = node.args[0]
+        elif node.target is collectives.wait and _over_ranks(node.args[0]):
+            made[node] = node.args[0]
+        elif _divides_its_reduction(node):
+            made[node] = node.args[0]
+    return made
+
+
+def _divides_its_reduction(node: fx.Node) -> bool:
+    """Whether ``node`` is an average that alone reads the wait of a reduction over more than one rank."""
+    if node.target is not torch.ops.aten.div.Tensor or sl_tag(node).get("kind") != "average":
+        return False
+    wait = node.args[0]
+    if not isinstance(wait, fx.Node) or wait.target is not collectives.wait or len(wait.users) != 1:
+        return False
+    issue = wait.args[0]
+    return (issue.target in (collectives.all_reduce, collectives.reduce_scatter) and _over_ranks(issue)
+            and len(issue.users) == 1)
+
+
+def _over_ranks(node) -> bool:
+    """Whether ``node`` is a collective over more than one rank (one over a single rank stays an identity)."""
+    group = collectives.group_of(node) if isinstance(node, fx.Node) else None
+    return group is not None and group[1] > 1
 
 
 def _keep_reduction_buffers(graph: fx.Graph) -> None:
@@ -147,18 +184,6 @@ def kept_reduction_buffers(gm: fx.GraphModule) -> dict[str, KeptReductionBuffer]
     """
     return {node.name: node.target.__self__ for node in gm.graph.nodes
             if isinstance(getattr(node.target, "__self__", None), KeptReductionBuffer)}
-
-
-def _average_in_place(graph: fx.Graph) -> None:
-    """Divide a reduced gradient in place where its reduction's result is read by the division alone."""
-    for node in graph.nodes:
-        if node.target is not torch.ops.aten.div.Tensor or sl_tag(node).get("kind") != "average":
-            continue
-        reduced = node.args[0]
-        made = reduced.target in (_c10d.wait_tensor.default, torch.ops.aten.sum.dim_IntList)
-        if made and len(reduced.users) == 1 and all(len(a.users) == 1 for a in reduced.all_input_nodes
-                                                    if reduced.target is _c10d.wait_tensor.default):
-            node.target = torch.ops.aten.div_.Tensor
 
 
 def _sum_blocks(graph: fx.Graph, wait: fx.Node, size: int, result) -> None:

@@ -53,8 +53,8 @@ previous step left them) to its end, and in ``persistent``. Their pack
 allocates nothing, and neither does what the bound graph does to them in
 place (Note [reductions in place] in `compiler.emit`): the all-reduce, its
 wait, and the average when it alone reads the wait; the plan follows those
-values to the kept storage (`_Simulator._kept_aliases`), where the compiled
-graph has new ones.
+values to the kept storage as `emit.made_in_place` says bind makes them
+(`_Simulator._kept_aliases`), where the compiled graph has new ones.
 
 Example::
 
@@ -75,6 +75,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from . import collectives
+from .emit import made_in_place
 from .graph_utils import sl_tag
 from .member_updates import member_gradients_of, update_members_
 from .passes.keep_reduction_buffers import is_kept
@@ -427,26 +428,20 @@ class _Simulator:
     def _kept_aliases(self) -> dict[StorageWeakRef, StorageWeakRef]:
         """The storages that the bound graph makes in place in a kept buffer, mapped to it (Note [kept buffers in the plan]).
 
-        As `emit.bind` does: the all-reduce of a kept pack reduces it in place and its wait
-        returns it; the average divides it in place when it is the wait's only reader.
+        `emit.made_in_place` says which values `bind` makes in another's storage; those
+        that lead back to a kept pack (its all-reduce, the wait, the average) are that pack's storage.
         """
+        made = made_in_place(self.graph)
         aliases: dict[StorageWeakRef, StorageWeakRef] = {}
         for node in self.nodes:
-            if not is_kept(node):
+            root = node
+            while root in made:
+                root = made[root]
+            if root is node or not is_kept(root):
                 continue
-            ((kept, _),) = _storages(node.meta.get("val"))
-            (issue,) = node.users
-            same = [issue]
-            if len(issue.users) == 1:
-                (wait,) = issue.users
-                same.append(wait)
-                if len(wait.users) == 1:
-                    (average,) = wait.users
-                    if sl_tag(average).get("kind") == "average" and average.target is torch.ops.aten.div.Tensor:
-                        same.append(average)
-            for value in same:
-                for key, _ in _storages(value.meta.get("val")):
-                    aliases.setdefault(key, kept)
+            ((kept, _),) = _storages(root.meta.get("val"))
+            for key, _ in _storages(node.meta.get("val")):
+                aliases.setdefault(key, kept)
         return aliases
 
     def _categories(self) -> dict[StorageWeakRef, Category]:
