@@ -156,26 +156,25 @@ def memory_groups(modes: tuple[str, ...], ref, budget: float) -> list[tuple[str,
     return [tuple(sorted(g, key=order.__getitem__)) for g in groups]
 
 
-# Bytes per parameter each rank holds for a mode, generously, as (whole, sharded over N) pairs: first its state
-# between steps (parameters, AdamW moments, DDP's buckets and the reduction buffers shardlang-DDP keeps), then
-# what one step adds (gradients, ZeRO-2's gathered parameters, compiled buffers); the units gathered at once
-# and the activations come on top of the step's share (`_transient`).
-_STATE_PER_PARAM = {"single": (12, 0), "ddp": (16, 0), "shardlang-ddp": (16, 0), "shardlang-zero1": (4, 8),
-                    "shardlang": (0, 12), "shardlang-zero2": (0, 12), "fsdp2": (0, 12),
-                    "shardlang-inductor": (0, 12), "fsdp2-compile": (0, 12)}
-_STEP_PER_PARAM = {"single": (8, 0), "ddp": (8, 0), "shardlang-ddp": (4, 0), "shardlang-zero1": (4, 0),
-                   "shardlang": (0, 4), "shardlang-zero2": (4, 0), "fsdp2": (0, 4),
-                   "shardlang-inductor": (4, 4), "fsdp2-compile": (4, 4)}
+# Bytes per parameter each rank holds for a mode, generously, each as a (whole, sharded over N) pair: its state
+# between steps (parameters, AdamW moments, DDP's buckets and the reduction buffers shardlang-DDP keeps), and what
+# one step adds (gradients, ZeRO-2's gathered parameters, compiled buffers); the units gathered at once and the
+# activations come on top of the step's share (`_transient`).
+_BYTES_PER_PARAM = {  # mode: (state, step)
+    "single": ((12, 0), (8, 0)), "ddp": ((16, 0), (8, 0)), "shardlang-ddp": ((16, 0), (4, 0)),
+    "shardlang-zero1": ((4, 8), (4, 0)), "shardlang": ((0, 12), (0, 4)), "shardlang-zero2": ((0, 12), (4, 0)),
+    "fsdp2": ((0, 12), (0, 4)), "shardlang-inductor": ((0, 12), (4, 4)), "fsdp2-compile": ((0, 12), (4, 4)),
+}
 
 
 def group_estimate(modes, ref) -> float:
     """Resident bytes over all ranks of ``modes`` run side by side: all their states, the largest step's transient."""
-    state = sum(_per_rank(_STATE_PER_PARAM[m], ref) for m in modes)
+    state = sum(_per_rank(_BYTES_PER_PARAM[m][0], ref) for m in modes)
     return ref.world * (state + max(_transient(m, ref) for m in modes))
 
 
 def _transient(mode: str, ref) -> float:
-    return _per_rank(_STEP_PER_PARAM[mode], ref) + 2 * ref.largest_unit + ref.activations
+    return _per_rank(_BYTES_PER_PARAM[mode][1], ref) + 2 * ref.largest_unit + ref.activations
 
 
 def _per_rank(bytes_per_param: tuple[int, int], ref) -> float:

@@ -463,7 +463,7 @@ def _gather_to_main(local: torch.Tensor, world: int, group, is_main: bool) -> to
     """
     if world == 1:
         return local
-    if 0 not in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD):
+    if 0 not in dist.get_process_group_ranks(group):  # every sharded flat's axis has a group (`_make_groups`)
         return None
     out = local.new_empty(local.numel() * world) if is_main else None
     pieces = list(out.view(world, -1).unbind(0)) if is_main else None

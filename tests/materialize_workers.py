@@ -272,18 +272,11 @@ def state_dict_on_rank0(ctx, case_name: str, hybrid: bool = False):
             else spec_variant(case, ctx.world_size, "units"))
     step = sl.compile(model, case.loss_fn, spec, example_batch=example, dist_context=ctx)
     step(example)
-    issued: dict[str, int] = {}
-
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            issued[name] = issued.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return call
-
-    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.13
-    with mock.patch.object(dist, "gather", counted("gather", dist.gather)), \
-            mock.patch.object(dist, gather, counted("all_gather", getattr(dist, gather))):
+    all_gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.13
+    with mock.patch.object(dist, "gather", wraps=dist.gather) as gathers, \
+            mock.patch.object(dist, all_gather, wraps=getattr(dist, all_gather)) as all_gathers:
         sd = step.full_state_dict()
+    issued = {"gather": gathers.call_count, "all_gather": all_gathers.call_count}
     return sd, step.full_parameters(), issued
 
 
