@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from shardlang.runtime.launcher import WorkerPool, find_free_port
+from shardlang.runtime.launcher import WorkerPool
 
 from .modes import FAKE, GLOO, MODES, SIZES, RunSpec, run_rank
 from .reference import references
@@ -108,7 +108,7 @@ def _run_world(world: int, args, refs: dict) -> list[dict]:
                 spec = RunSpec(SIZES[size], group, world, GLOO, args.warmup, args.steps, args.global_batch)
                 runs += _run_group(pool, spec)
                 if args.exposed and world > 1:  # right after, so that both see about the same load
-                    fake = dataclasses.replace(spec, backend=FAKE, warmup=1, restore_port=find_free_port())
+                    fake = dataclasses.replace(spec, backend=FAKE, warmup=1)
                     runs += _run_group(pool, fake)
     return runs
 

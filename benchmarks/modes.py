@@ -116,7 +116,6 @@ class RunSpec:
     lr: float = 1e-3
     weight_decay: float = 0.01
     seed: int = 0
-    restore_port: int | None = None  # fake runs: rejoin a gloo group on this port when done
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -226,6 +225,11 @@ def _no_op_hook(_state, bucket):  # no return annotation: DDP checks it, and our
     return future
 
 
+# A fake run swaps the pool's gloo group out and back in over the pool's own store (loopback only).
+_swapped_stores: list[dist.Store] = []
+_restored = [0]
+
+
 def _join_group(spec: RunSpec, ctx: DistContext) -> tuple[DistContext, bool]:
     """The context shardlang runs in, and whether this job created a process group to destroy after.
 
@@ -236,6 +240,7 @@ def _join_group(spec: RunSpec, ctx: DistContext) -> tuple[DistContext, bool]:
     if spec.backend == FAKE and spec.world > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        _swapped_stores.append(dist.distributed_c10d._get_default_store())  # the pool's, to rejoin after
         dist.destroy_process_group()
         dist.init_process_group(FAKE, store=FakeStore(), rank=ctx.rank, world_size=spec.world)
         return DistContext(ctx.rank, spec.world, ctx.rank, Backend.GLOO, "cpu"), False
@@ -251,7 +256,9 @@ def _leave_group(spec: RunSpec, ctx: DistContext, own_group: bool) -> None:
         dist.destroy_process_group()
     if spec.backend == FAKE and spec.world > 1:
         dist.destroy_process_group()
-        dist.init_process_group(GLOO, init_method=f"tcp://127.0.0.1:{spec.restore_port}", rank=ctx.rank,
+        store = _swapped_stores.pop()
+        _restored[0] += 1  # the same count on every rank: each swap rejoins under keys of its own
+        dist.init_process_group(GLOO, store=dist.PrefixStore(f"restored-{_restored[0]}/", store), rank=ctx.rank,
                                 world_size=spec.world)
 
 

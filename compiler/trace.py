@@ -53,6 +53,7 @@ from .mutations import check_input_mutations
 from .provenance import partial_graph, trace_error, tracing_sites
 from .rng import GlobalDropout, check_random_ops
 from .sync_batch_norm import SyncBatchNorm
+from .torch_logs import captured_torch_logs
 from .training import Accumulation, RandomScheme, Training
 
 
@@ -197,7 +198,8 @@ def trace_forward(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, 
         return out_leaves
 
     try:
-        with fx_traceback.preserve_node_meta(), torch.no_grad(), _eval_mode(model), lazy_code():
+        with fx_traceback.preserve_node_meta(), torch.no_grad(), _eval_mode(model), lazy_code(), \
+                captured_torch_logs():  # a failure is reported below, once (Note [torch's logs])
             gm = make_fx(forward_fn, tracing_mode="fake")(*example)
     except TraceError:
         raise
@@ -262,7 +264,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
                             data_parallel_size, training, tied_parameters(model) if tied is None else tied)
     with tracing_sites(model) as sites:
         try:
-            with fx_traceback.preserve_node_meta(), lazy_code(), \
+            with fx_traceback.preserve_node_meta(), lazy_code(), captured_torch_logs(), \
                     _annotate_units(model, {m.info.unit for f in flats for m in f.members}):
                 gm = make_fx(step_fn, tracing_mode="fake")(*example)
         except TraceError:

@@ -36,7 +36,9 @@ Example::
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
 import time
 from typing import IO, Any
@@ -49,6 +51,8 @@ from torch.utils import _pytree as pytree
 from .runtime.dist import DistContext
 
 MIB = 2**20
+FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # the size assumed for a terminal that reports none
+BAR_REFRESH_S = 0.1  # at most ten redraws a second (tqdm's default): a fast run does not flood the terminal
 
 
 @attrs.frozen
@@ -206,7 +210,14 @@ class RunReporter:
     def _make_bar(self):
         from tqdm import tqdm
 
-        return tqdm(total=self._steps, initial=self._first, unit="step", file=self._out, dynamic_ncols=True, leave=True,
+        # A terminal that reports no size (a pseudo-terminal nobody sized, as `script` or an IDE gives)
+        # reads as 0 columns and 0 rows, and tqdm then draws nothing at all: follow the size only where
+        # there is one.
+        sized = _terminal_columns(self._out) > 0
+        return tqdm(total=self._steps, initial=self._first, unit="step", file=self._out, leave=True,
+                    dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS,
+                    nrows=None if sized else FALLBACK_ROWS,
+                    mininterval=BAR_REFRESH_S,
                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
 
@@ -224,6 +235,14 @@ def _si(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.1f}{suffix}"
     return f"{value:.1f}"
+
+
+def _terminal_columns(stream: IO[str]) -> int:
+    """The width of the terminal behind ``stream``; 0 when it reports none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return 0
 
 
 def _is_terminal(stream: IO[str]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import doctest
 import functools
 import os
+import socket
 import time
 
 import pytest
@@ -31,6 +32,7 @@ from shardlang.runtime import (
     init_from_env,
     launcher,
     read_env,
+    rendezvous,
     worker,
     worker_pool,
     world_group_name,
@@ -72,6 +74,37 @@ def die_while_peer_waits(ctx: DistContext) -> None:
 
 def sleep_forever(ctx: DistContext) -> None:
     time.sleep(3600)
+
+
+def listening_addresses(pid: int | str = "self") -> list[str]:
+    """The local addresses of the TCP sockets process ``pid`` listens on (Linux: /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # LISTEN
+                    address, port = local.split(":")
+                    raw = bytes.fromhex(address)
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                    host = socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, words)
+                    found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
+def rank_listening_addresses(ctx: DistContext) -> list[str]:
+    dist.barrier()  # every pair of ranks connected: gloo's listeners are open
+    return listening_addresses()
 
 
 def test_launch_returns_results_in_rank_order_and_prefixes_output(capfd):
@@ -197,6 +230,24 @@ def test_init_from_env_rejects_bad_values_naming_them(monkeypatch, env, message)
     assert not dist.is_initialized()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="reads listening sockets from Linux's /proc")
+def test_every_listening_socket_is_on_loopback():
+    # Note [loopback rendezvous]: the parent's store and gloo's connections between ranks; also after the pool
+    # recovered from a failed job (a fresh process group over the same store).
+    loopback = ("127.", "::1:")
+    before = set(listening_addresses())  # this process's listeners so far (the session's pools)
+    with WorkerPool(2) as pool:
+        parent = listening_addresses()
+        ranks = pool.run(rank_listening_addresses)
+        with pytest.raises(WorkerError):
+            pool.run(fail_on_rank, 1)
+        recovered = pool.run(rank_listening_addresses)
+    assert parent and all(a.startswith(loopback) for a in parent), parent
+    for addresses in (*ranks, *recovered):
+        assert addresses and all(a.startswith(loopback) for a in addresses), (ranks, recovered)
+    assert set(listening_addresses()) <= before  # the pool's store stopped listening with the pool
+
+
 def test_bad_arguments_name_the_value():
     with pytest.raises(ShardlangRuntimeError, match="nproc=0"):
         WorkerPool(0)
@@ -205,5 +256,5 @@ def test_bad_arguments_name_the_value():
 
 
 def test_docstring_examples_hold():
-    for module in (sl_dist, launcher, failures, worker, worker_pool):
+    for module in (sl_dist, launcher, failures, rendezvous, worker, worker_pool):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -39,15 +39,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
+from ..compiler.torch_logs import VERBOSE_ENV, drop_no_action_warnings, verbose
 from ..errors import ShardlangError
-from ..runtime.launcher import FailureKind, WorkerError
+from ..runtime.launcher import FailureKind, PoolState, RankFailure, WorkerError
 from . import check, diff, export, plan, run
 from .check import TOLERANCES, max_relative_difference, tolerance
 
 COMMANDS = (run, plan, diff, check, export)  # in the order ``shardlang --help`` lists them
 
-__all__ = ["COMMANDS", "TOLERANCES", "main", "max_relative_difference", "tolerance"]
+__all__ = ["COMMANDS", "TOLERANCES", "failure_text", "main", "max_relative_difference", "tolerance"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,16 +61,23 @@ def main(argv: list[str] | None = None) -> int:
         0
     """
     args = _parser().parse_args(argv)
+    if args.verbose:  # the ranks inherit it (Note [torch's logs])
+        os.environ[VERBOSE_ENV] = "1"
+    drop_no_action_warnings()
     try:
         return args.command(args)
     except WorkerError as exc:
+        if verbose():
+            traceback.print_exc()
         line = _own_error_line(exc)
         if line is None:
-            print(f"shardlang: error: {exc}", file=sys.stderr)
+            print(f"shardlang: error: {failure_text(exc, verbose())}", file=sys.stderr)
             return 1
         print(f"shardlang: error: {line}", file=sys.stderr)
         return 2
     except ShardlangError as exc:
+        if verbose():
+            traceback.print_exc()
         print(f"shardlang: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `shardlang plan ... | head`
@@ -85,10 +94,45 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardlang", description="Train, plan and check sharded training jobs.")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show torch's own logs while tracing and compiling, and full tracebacks "
+                             f"(also {VERBOSE_ENV}=1)")
     verbs = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.add_parser(verbs)
     return parser
+
+
+def failure_text(exc: WorkerError, verbose: bool = False) -> str:
+    """What a user reads when a job's ranks failed: each rank in one line, with where in the user's code a
+    stopped or late rank was; the traceback of a rank that raised an error other than shardlang's own. With
+    ``verbose``, every traceback and stack (the exception's whole message).
+
+    Example::
+
+        >>> error = WorkerError("shardlang run a.py", (RankFailure(1, FailureKind.LATE, "(stopped)",
+        ...     'Current thread (most recent call first):\n  File "/jobs/a.py", line 9 in make_batch'),), (),
+        ...     PoolState.CLOSED)
+        >>> failure_text(error)
+        'shardlang run a.py failed: rank 1 was late (stopped), at /jobs/a.py:9 in make_batch'
+    """
+    if verbose:
+        return str(exc)
+    own = _subclass_names(ShardlangError)
+    parts, tracebacks = [], []
+    for failure in exc.failures:
+        part = failure.headline()
+        raised_own = failure.kind is FailureKind.RAISED and failure.detail.split(":", 1)[0] in own
+        if failure.kind is FailureKind.RAISED and not raised_own and failure.traceback:
+            tracebacks.append(f"--- rank {failure.rank} ---\n{failure.traceback.rstrip()}")
+        elif not raised_own:
+            where = failure.user_frame()
+            part += f", at {where}" if where else ""
+        parts.append(part)
+    lines = [f"{exc.what} failed: " + "; ".join(parts), *tracebacks]
+    if any(f.traceback for f in exc.failures) and not tracebacks:
+        lines.append(f"(--verbose or {VERBOSE_ENV}=1 shows every rank's traceback)")
+    return "\n".join(lines)
 
 
 def _own_error_line(exc: WorkerError) -> str | None:

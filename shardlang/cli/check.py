@@ -144,7 +144,8 @@ def main(args) -> int:
             losses, params = _train_sharded(DistContext.single(), job, batches, args.seed, dtype, weights)
         else:
             losses, params = launch(_check_rank, world, str(job.path), batches, args.seed, args.dtype, weights,
-                                    timeout=None, threads=threads_per_rank(world))[0]
+                                    timeout=None, threads=threads_per_rank(world),
+                                    name=f"shardlang check {shown(job.path)} at world size {world}")[0]
         diff, worst = scaled_difference(params, ref_params, movement)
         passed = diff <= limit  # False for NaN
         if not passed:

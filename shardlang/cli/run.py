@@ -46,7 +46,7 @@ from ..errors import SpecError
 from ..job import Job, build, global_batch, init_of, load_job
 from ..progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
-from ..runtime.launcher import launch
+from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
 from .args import output_file, positive, seconds
 from .common import eval_example, global_mean, load_checked, shown, split_for_rank, threads_per_rank
@@ -161,8 +161,8 @@ def main(args) -> int:
     else:
         launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights, progress,
                args.eval_every,
-               timeout=None, threads=threads_per_rank(nproc), prefix_output=False,
-               collective_timeout=args.timeout)
+               timeout=None, threads=threads_per_rank(nproc), prefix_output=OutputPrefix.OTHER_RANKS,
+               collective_timeout=args.timeout, name=f"shardlang run {shown(job.path)}")
     return 0
 
 
@@ -249,10 +249,10 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
             reporter.warn(f"step {k + 1}: {nonfinite}")
         if periodic is not None:
             saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
-            if saved is not None:
-                say(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
+            if saved is not None:  # above the bar, if there is one
+                reporter.warn(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
         if eval_every is not None and (k + 1) % eval_every == 0:
-            _evaluate(step, job, k + 1, ctx, say)
+            _evaluate(step, job, k + 1, ctx, reporter.warn)
     tracing.close()
     reporter.close()
     if periodic is not None:

@@ -32,7 +32,6 @@ from shardlang.runtime.launcher import (
     WorkerError,
     WorkerPool,
     WorkerPools,
-    find_free_port,
     launch,
     run_in_process,
 )
@@ -50,7 +49,6 @@ __all__ = [
     "WorkerError",
     "WorkerPool",
     "WorkerPools",
-    "find_free_port",
     "init_from_env",
     "init_process_group",
     "launch",

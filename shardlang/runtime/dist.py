@@ -237,6 +237,22 @@ def init_process_group(
     return DistContext(rank, world_size, local_rank, chosen, device, timeout_s)
 
 
+def init_with_store(rank: int, world_size: int, store: dist.Store, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+                    ) -> DistContext:
+    """Create torch.distributed's default gloo group over ``store`` (the local launcher's: Note [loopback
+    rendezvous] in `shardlang.runtime.rendezvous`); the context of this rank.
+
+    Example (in each worker of a local pool)::
+
+        ctx = init_with_store(rank, 2, join_store(port, 0, 60.0))
+    """
+    _check_rank(rank, world_size)
+    check_timeout(timeout_s, "timeout_s")
+    dist.init_process_group(backend=Backend.GLOO.value, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank, world_size, rank, Backend.GLOO, torch.device("cpu"), timeout_s)
+
+
 def check_timeout(value: object, where: str) -> None:
     """``value`` must be a positive number of seconds; the error names ``where`` it came from.
 

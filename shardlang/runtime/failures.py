@@ -25,8 +25,11 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import os
+import re
 import signal
+import sysconfig
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +75,17 @@ class RankFailure:
         """The failure in one line."""
         return f"rank {self.rank} {self.kind.value}" + (f" {self.detail}" if self.detail else "")
 
+    def user_frame(self) -> str | None:
+        """Where in the user's code this rank was: the innermost frame of its traceback or stack that lies
+        outside Python's library, torch and shardlang, as ``file:line in function``; None when there is none.
+
+        Example::
+
+            >>> RankFailure(1, FailureKind.LATE, traceback='  File "/jobs/a.py", line 9 in make_batch').user_frame()
+            '/jobs/a.py:9 in make_batch'
+        """
+        return user_frame(self.traceback)
+
 
 class WorkerError(ShardlangRuntimeError):
     """A job failed on some ranks; ``failures`` says how, rank by rank (Note [failures]).
@@ -109,6 +123,40 @@ def _failure_message(
     elif pool_state is PoolState.READY and (finished or len(failures) > 1):
         lines.append("every rank came back; the ranks joined a fresh process group and the pool is still READY")
     return "\n".join(lines)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<function>\S+)')
+
+
+def user_frame(text: str) -> str | None:
+    """The innermost user frame in a Python traceback or a faulthandler stack (`RankFailure.user_frame`)."""
+    current = text.split("Current thread", 1)[-1]  # faulthandler: the thread that was running the job
+    frames = [m for m in _FRAME.finditer(current) if not _is_library(m["file"])]
+    if not frames:
+        return None
+    # A traceback lists the innermost frame last; faulthandler's stack ("most recent call first") first.
+    frame = frames[0] if "most recent call first" in text else frames[-1]
+    path = frame["file"]
+    here = os.path.join(os.getcwd(), "")
+    return f"{path.removeprefix(here)}:{frame['line']} in {frame['function']}"
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith("<"):
+        return True
+    return any(path.startswith(root) for root in _library_roots())
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import torch
+
+    import shardlang
+    import shardlang.compiler
+
+    roots = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= {os.path.dirname(module.__file__) for module in (torch, shardlang, shardlang.compiler)}
+    return tuple(os.path.join(root, "") for root in roots)
 
 
 def cause_first(failure: RankFailure) -> tuple[int, int]:

@@ -5,7 +5,7 @@ on each and returns the results in rank order. This module is the public entry
 point; the machinery lives one concern per module and is re-exported here:
 
 - `worker_pool`: `WorkerPool` (persistent ranks that run many jobs), `WorkerPools`
-  (one pool per world size), `run_in_process`, `find_free_port`; Note [what a job
+  (one pool per world size), `run_in_process`; Note [what a job
   is] and Note [pool states].
 - `worker`: what each spawned rank runs (its command loop).
 - `failures`: `FailureKind`, `RankFailure`, `WorkerError`, `PoolState`; Note [failures].
@@ -30,7 +30,8 @@ from typing import Any
 
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S
 from shardlang.runtime.failures import FailureKind, PoolState, RankFailure, WorkerError
-from shardlang.runtime.worker import LOCALHOST
+from shardlang.runtime.rendezvous import LOCALHOST
+from shardlang.runtime.worker import OutputPrefix
 from shardlang.runtime.worker_pool import (
     DEFAULT_GRACE_S,
     DEFAULT_TIMEOUT_S,
@@ -38,7 +39,6 @@ from shardlang.runtime.worker_pool import (
     STOP_TIMEOUT_S,
     WorkerPool,
     WorkerPools,
-    find_free_port,
     run_in_process,
 )
 
@@ -49,12 +49,12 @@ __all__ = [
     "STARTUP_TIMEOUT_S",
     "STOP_TIMEOUT_S",
     "FailureKind",
+    "OutputPrefix",
     "PoolState",
     "RankFailure",
     "WorkerError",
     "WorkerPool",
     "WorkerPools",
-    "find_free_port",
     "launch",
     "run_in_process",
 ]
@@ -67,15 +67,18 @@ def launch(
     timeout: float | None = DEFAULT_TIMEOUT_S,
     grace: float = DEFAULT_GRACE_S,
     threads: int | None = 1,
-    prefix_output: bool = True,
+    prefix_output: OutputPrefix | bool = True,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    name: str | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``nproc`` new CPU processes over gloo; the results in rank order.
 
     ``timeout`` (seconds, None for no limit) covers start-up and the job; a rank
     still running then is killed and reported. ``collective_timeout`` bounds each
     collective's wait for late peers (Note [collective timeout] in `watch`). ``threads`` sets each rank's torch
-    and OpenMP threads (None leaves them alone). A failure raises `WorkerError`
+    and OpenMP threads (None leaves them alone); ``prefix_output`` which ranks' lines start with
+    ``[rank r] `` (`OutputPrefix`). ``name`` is what a failure calls the job (default: the
+    function's qualified name). A failure raises `WorkerError`
     (Note [failures]). World size 1 starts one process with no process group.
 
     Example::
@@ -94,6 +97,6 @@ def launch(
     ) as pool:
         left = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
         try:
-            return pool.run(fn, *args, timeout=left)
+            return pool.run(fn, *args, timeout=left, name=name)
         except WorkerError as exc:  # the pool's state means nothing to launch's caller: every rank is gone
             raise WorkerError(exc.what, exc.failures, exc.finished, PoolState.CLOSED) from None

@@ -31,10 +31,13 @@ import attrs
 import torch
 import tqdm
 
-from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_process_group, shutdown
+from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.compiler.torch_logs import drop_no_action_warnings
+from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_with_store, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path
+from shardlang.runtime.rendezvous import LOCALHOST, join_store
 
-LOCALHOST = "127.0.0.1"
+CLEAR_LINE = "\r\x1b[K"  # carriage return, then erase to the end of the line (ANSI)
 
 
 class Command(enum.Enum):
@@ -49,21 +52,53 @@ class Reply(enum.Enum):
     ERROR = "error"
 
 
+class OutputPrefix(enum.Enum):
+    """Which ranks' output lines start with ``[rank r] `` (each written whole, so ranks never interleave
+    mid-line). ``True`` and ``False`` read as EVERY_RANK and NONE.
+
+    Example::
+
+        >>> OutputPrefix.of(True)
+        <OutputPrefix.EVERY_RANK: 'every rank'>
+    """
+
+    EVERY_RANK = "every rank"
+    OTHER_RANKS = "ranks other than 0"  # rank 0 writes straight through: its progress bar redraws one line
+    NONE = "none"
+
+    @classmethod
+    def of(cls, value: OutputPrefix | bool) -> OutputPrefix:
+        if isinstance(value, OutputPrefix):
+            return value
+        if isinstance(value, bool):
+            return cls.EVERY_RANK if value else cls.NONE
+        valid = ", ".join(f"OutputPrefix.{p.name}" for p in cls)
+        raise ShardlangRuntimeError(f"prefix_output={value!r} is not an output prefix; expected True, False, {valid}")
+
+    def applies_to(self, rank: int) -> bool:
+        return self is OutputPrefix.EVERY_RANK or (self is OutputPrefix.OTHER_RANKS and rank > 0)
+
+
 @attrs.frozen
 class WorkerConfig:
     """What every worker of a pool is started with."""
 
     nproc: int
     threads: int | None
-    prefix_output: bool
+    prefix_output: OutputPrefix = attrs.field(converter=OutputPrefix.of)
     stack_dir: str
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    gloo_interface: str = "lo"  # the loopback interface (`rendezvous.loopback_interface`)
 
 
 def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Connection) -> None:
-    """A rank's life: set up the process, join the group, then serve commands until STOP."""
+    """A rank's life: set up the process, join the group, then serve commands until STOP.
+
+    ``port`` is the parent's store on loopback (Note [loopback rendezvous]); RESET names the
+    generation of the next process group, whose keys live under a prefix of their own."""
     _setup_process(rank, config)
-    ctx = _join(rank, port, config, conn)
+    generation = 0
+    ctx = _join(rank, port, generation, config, conn)
     while ctx is not None:
         try:
             command, *rest = conn.recv()
@@ -75,7 +110,8 @@ def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Con
             conn.send(_run_job(ctx, rest[0]))
         elif command is Command.RESET:
             shutdown()
-            ctx = _join(rank, rest[0], config, conn)
+            generation = rest[0]
+            ctx = _join(rank, port, generation, config, conn)
     shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -85,13 +121,15 @@ def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Con
 def _setup_process(rank: int, config: WorkerConfig) -> None:
     """Threads, output prefixes, Ctrl-C handling and the stack dump signal for one worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["GLOO_SOCKET_IFNAME"] = config.gloo_interface  # gloo listens on loopback only
     # tqdm's default lock holds a multiprocessing semaphore (torch.fx's Interpreter makes a bar even when it
     # is off), and a rank ends with os._exit, which never unlinks it: the parent would warn of leaked
     # semaphores. Ranks write through their own streams, so a thread lock serves.
     tqdm.tqdm.set_lock(threading.RLock())
+    drop_no_action_warnings()  # Note [torch's logs]
     if config.threads is not None:
         _limit_threads(config.threads)
-    if config.prefix_output:
+    if config.prefix_output.applies_to(rank):
         sys.stdout = _PrefixedStream(sys.stdout, f"[rank {rank}] ")
         sys.stderr = _PrefixedStream(sys.stderr, f"[rank {rank}] ")
     if hasattr(signal, "SIGUSR1"):
@@ -99,10 +137,12 @@ def _setup_process(rank: int, config: WorkerConfig) -> None:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
 
-def _join(rank: int, port: int, config: WorkerConfig, conn: connection.Connection) -> DistContext | None:
+def _join(rank: int, port: int, generation: int, config: WorkerConfig, conn: connection.Connection
+          ) -> DistContext | None:
     """Join the pool's process group and report READY; report the error and return None if it fails."""
     try:
-        ctx = init_process_group(rank, config.nproc, LOCALHOST, port, "gloo", timeout_s=config.collective_timeout)
+        store = join_store(port, generation, config.collective_timeout)
+        ctx = init_with_store(rank, config.nproc, store, timeout_s=config.collective_timeout)
     except BaseException as exc:
         conn.send((Reply.ERROR, exception_summary(exc), traceback.format_exc()))
         return None
@@ -141,7 +181,10 @@ class _PrefixedStream(io.TextIOBase):
     """A text stream that writes whole lines, each starting with ``prefix``.
 
     A partial line waits for its newline (or an explicit flush), so that the lines
-    of ranks sharing one terminal never interleave mid-line.
+    of ranks sharing one terminal never interleave mid-line. On a terminal each
+    line first clears the line the cursor is on: a line printed while rank 0's
+    progress bar is drawn replaces the bar, which redraws below it at its next
+    update, instead of being glued to its end.
 
     Example::
 
@@ -155,17 +198,18 @@ class _PrefixedStream(io.TextIOBase):
         self.inner = inner
         self._prefix = prefix
         self._partial = ""
+        self._start = CLEAR_LINE + prefix if _is_terminal(inner) else prefix
 
     def write(self, text: str) -> int:
         *lines, self._partial = (self._partial + text).split("\n")
         if lines:
-            self.inner.write("".join(f"{self._prefix}{line}\n" for line in lines))
+            self.inner.write("".join(f"{self._start}{line}\n" for line in lines))
             self.inner.flush()
         return len(text)
 
     def flush(self) -> None:
         if self._partial:
-            self.inner.write(f"{self._prefix}{self._partial}")
+            self.inner.write(f"{self._start}{self._partial}")
             self._partial = ""
         self.inner.flush()
 
@@ -181,3 +225,10 @@ class _PrefixedStream(io.TextIOBase):
     @property
     def encoding(self) -> str:
         return getattr(self.inner, "encoding", "utf-8")
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

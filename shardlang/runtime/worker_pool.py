@@ -34,7 +34,6 @@ import atexit
 import contextlib
 import pickle
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -58,7 +57,8 @@ from shardlang.runtime.failures import (
     read_stack,
     request_stack_dump,
 )
-from shardlang.runtime.worker import LOCALHOST, Command, Reply, WorkerConfig, worker_main
+from shardlang.runtime.rendezvous import LoopbackRendezvous, loopback_interface
+from shardlang.runtime.worker import Command, OutputPrefix, Reply, WorkerConfig, worker_main
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_GRACE_S = 3.0
@@ -74,19 +74,6 @@ class _Worker:
     rank: int
     process: Any
     conn: connection.Connection
-
-
-def find_free_port(host: str = LOCALHOST) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the kernel's pick for port 0).
-
-    Example::
-
-        >>> 0 < find_free_port() < 65536
-        True
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def run_in_process(fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -127,7 +114,7 @@ class WorkerPool:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         grace: float = DEFAULT_GRACE_S,
         threads: int | None = 1,
-        prefix_output: bool = True,
+        prefix_output: OutputPrefix | bool = True,
         startup_timeout: float = STARTUP_TIMEOUT_S,
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ):
@@ -146,14 +133,17 @@ class WorkerPool:
         self._grace = grace
         self._startup_timeout = startup_timeout
         self._stack_dir = tempfile.mkdtemp(prefix="shardlang-pool-")
-        self._config = WorkerConfig(nproc, threads, prefix_output, self._stack_dir, collective_timeout)
+        self._config = WorkerConfig(nproc, threads, prefix_output, self._stack_dir, collective_timeout,
+                                    loopback_interface())
         self._state = PoolState.READY
         self._broken_reason = ""
         self._workers: list[_Worker] = []
-        self._release = weakref.finalize(self, _release, self._workers, self._stack_dir)
+        self._generation = 0  # of the process group, one more per recovery (Note [loopback rendezvous])
+        self._rendezvous = LoopbackRendezvous(max(startup_timeout, collective_timeout))
+        self._release = weakref.finalize(self, _release, self._workers, self._stack_dir, self._rendezvous)
         atexit.register(self._release)  # runs before multiprocessing's own hook, which would wait for the ranks
         with self._broken_if_interrupted("starting"):
-            self._start_workers(find_free_port())
+            self._start_workers(self._rendezvous.port)
             self._await_ready(f"starting {nproc} rank(s)")
 
     @property
@@ -166,16 +156,18 @@ class WorkerPool:
         """READY, BROKEN or CLOSED (Note [pool states])."""
         return self._state
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, name: str | None = None
+            ) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every rank; the results in rank order.
 
-        ``timeout`` defaults to the pool's. Raises `WorkerError` when a rank fails,
-        and ShardlangRuntimeError when the pool is not READY or ``fn``/``args``
-        cannot be pickled (the pool stays READY then).
+        ``timeout`` defaults to the pool's. ``name`` is what a failure calls the job
+        (default ``job <module>.<function>``; the command line names the command and its job file).
+        Raises `WorkerError` when a rank fails, and ShardlangRuntimeError when the pool is not
+        READY or ``fn``/``args`` cannot be pickled (the pool stays READY then).
         """
         self._check_ready()
         payload = _pickle_job(fn, args)
-        what = f"job {job_name(fn)}"
+        what = name or f"job {job_name(fn)}"
         with self._broken_if_interrupted(what):
             self._send_all((Command.RUN, payload))
             replies, failures = self._gather(self._timeout if timeout is None else timeout)
@@ -302,7 +294,8 @@ class WorkerPool:
         """Note [pool states]: rejoin a fresh process group if every rank came back; then raise."""
         if any(f.kind is not FailureKind.RAISED for f in failures):
             self._break(what, failures, replies)
-        self._send_all((Command.RESET, find_free_port()))
+        self._generation += 1
+        self._send_all((Command.RESET, self._generation))
         _, reset_failures = self._gather(self._startup_timeout)
         if reset_failures:
             self._break(what, failures + reset_failures, replies)
@@ -356,8 +349,8 @@ class WorkerPools:
         self._pools.clear()
 
 
-def _release(workers: list[_Worker], stack_dir: str) -> None:
-    """Kill the ranks still alive, reap them, close their pipes and remove the stack files.
+def _release(workers: list[_Worker], stack_dir: str, rendezvous: LoopbackRendezvous) -> None:
+    """Kill the ranks still alive, reap them, close their pipes, stop the rendezvous and remove the stack files.
 
     Runs once per pool, through `weakref.finalize`: from close(), when the pool breaks,
     when it is garbage-collected, or at interpreter exit (before multiprocessing would
@@ -369,6 +362,7 @@ def _release(workers: list[_Worker], stack_dir: str) -> None:
     for worker in workers:
         worker.process.join(STOP_TIMEOUT_S)
         worker.conn.close()
+    rendezvous.close()
     shutil.rmtree(stack_dir, ignore_errors=True)
 
 
