@@ -18,11 +18,13 @@ in the other, or chunks that do not cover what this rank needs are each a
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items, _cr
 
 from ..errors import CheckpointError
 from .layout import Entry
+from .untrusted import load_value
 
 SHOWN_KEYS = 6  # keys an error lists before "... (N in all)"
 
@@ -136,6 +139,15 @@ class EntryLoadPlanner(DefaultLoadPlanner):
         if md.properties.dtype != dtype:
             raise CheckpointError(f"{self.where}: {fqn!r} is {md.properties.dtype} there and {dtype} here; "
                                   "train (or convert the job) in the checkpoint's dtype", path=self.where, key=fqn)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """A non-tensor value, read with torch's ``weights_only`` allowlist (Note [checkpoints run no code])."""
+        fqn = read_item.dest_index.fqn
+        loaded = load_value(value, self.where, fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)

@@ -27,14 +27,15 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compiler.optim import hyper_name
 from ..errors import CheckpointError
 from . import store
 from .planner import EntryLoadPlanner, EntrySavePlanner
-from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, from_bytes, meta,
+from .untrusted import SafeReader
+from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, meta, schedule_from_saved,
                          model_entries, optimizer_entries, own_entries, param_groups, set_rng)
 
 
@@ -167,7 +168,7 @@ def load(step, path) -> Restored:
         store.verify(path, store.read_manifest(path), ctx.rank, ctx.world_size, None)
     elif not (path / ".metadata").is_file():
         store.read_manifest(path)  # raises: not a directory, or an unfinished save
-    reader = FileSystemReader(str(path))
+    reader = SafeReader(str(path))  # Note [checkpoints run no code]
     try:
         saved = reader.read_metadata().state_dict_metadata
     except Exception as exc:
@@ -197,7 +198,7 @@ def _targets(step, saved) -> tuple[dict, set[str]]:
     for g, group in enumerate(groups):
         optional.update(f"optimizer.param_groups.{g}.{k}" for k in group)
     own: dict[str, object] = {"step_count": torch.zeros((), dtype=torch.float64), "data_position": 0, "meta": "",
-                              "lr_schedule": b""}
+                              "lr_schedule": ""}
     optional.update(f"shardlang.{k}" for k in own)
     if step.random is not None:
         key = next((k for k in (f"shardlang.rng.rank{step.dist.rank}", "shardlang.rng.rank0") if k in saved), None)
@@ -236,7 +237,7 @@ def _apply(step, target: dict, saved, path: Path) -> Restored:
     _apply_param_groups(step, target["optimizer"]["param_groups"], saved, path)
     if step.lr_schedule is not None:
         if SCHEDULE_KEY in saved:
-            step.lr_schedule.scheduler.load_state_dict(from_bytes(own["lr_schedule"]))
+            step.lr_schedule.scheduler.load_state_dict(schedule_from_saved(own["lr_schedule"], str(path)))
         for g, name in enumerate(step.lr_schedule.names):
             group = step.lr_schedule.optimizer.param_groups[g]
             group["lr"] = float(step.hyper[name])

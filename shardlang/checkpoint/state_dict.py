@@ -10,7 +10,7 @@ plus shardlang's own:
     optimizer.state.<name>.step                   Adam/AdamW: the update count (float32, as torch.optim)
     optimizer.param_groups.<g>.<lr|betas|...>     one torch param group per parameter group, "params" = names
     shardlang.step_count                          the update count (float64)
-    shardlang.lr_schedule                         the lr scheduler's state_dict (pickled bytes)
+    shardlang.lr_schedule                         the lr scheduler's state_dict (a JSON string; never a pickle)
     shardlang.rng.rank<r>                         rank r's step generator (only with random ops)
     shardlang.data_position                       the next global batch the job reads (an int)
     shardlang.meta                                JSON: format, world size, mesh, spec, strategies, for the record
@@ -32,6 +32,7 @@ import torch
 from ..compiler.flat import FlatParam
 from ..compiler.optim import SGD, Adam, AdamW, hyper_name
 from ..compiler.trace import tied_parameters
+from ..errors import CheckpointError
 from .layout import Entry, optimizer_pieces, parameter_pieces
 
 FORMAT = 1
@@ -142,7 +143,7 @@ def own_entries(step, data_position: int, *, snapshot=None) -> dict[str, object]
     own: dict[str, object] = {"step_count": state.step_count, "data_position": int(data_position),
                               "meta": json.dumps(meta(step), sort_keys=True)}
     if step.lr_schedule is not None:
-        own["lr_schedule"] = to_bytes(step.lr_schedule.scheduler.state_dict())
+        own["lr_schedule"] = schedule_to_json(step.lr_schedule.scheduler.state_dict())
     if step.random is not None:
         own["rng"] = {f"rank{step.dist.rank}": _rng_tensor(step.random)}
     return own
@@ -166,15 +167,40 @@ def meta(step) -> dict[str, object]:
     }
 
 
-def to_bytes(value) -> bytes:
-    """A Python value as bytes (``torch.save``): one leaf for DCP, however nested the value."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+def schedule_to_json(state: dict) -> str:
+    """An lr scheduler's ``state_dict`` as JSON (Note [checkpoints run no code]: nothing of it is pickled).
+
+    Example::
+
+        >>> schedule_to_json({"last_epoch": 3, "base_lrs": [0.1], "_last_lr": [0.05]})
+        '{"_last_lr": [0.05], "base_lrs": [0.1], "last_epoch": 3}'
+    """
+    try:
+        return json.dumps(state, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the lr scheduler's state_dict cannot be saved as JSON ({exc}); a checkpoint keeps "
+                              "numbers, strings, lists and dicts of the scheduler, never pickled objects") from None
 
 
-def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+def schedule_from_saved(value, where: str) -> dict:
+    """The scheduler state a checkpoint holds: JSON, or the ``torch.save`` bytes of format 1, read with torch's
+    ``weights_only`` allowlist."""
+    if isinstance(value, bytes):  # format 1
+        from .untrusted import load_value  # imports DCP (1.4 s): not at `import shardlang`
+
+        value = load_value(io.BytesIO(value), where, SCHEDULE_KEY)
+        if isinstance(value, dict):
+            return value
+    elif isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: {SCHEDULE_KEY!r} is not JSON ({exc})", path=where,
+                                  key=SCHEDULE_KEY) from None
+        if isinstance(value, dict):
+            return value
+    raise CheckpointError(f"{where}: {SCHEDULE_KEY!r} holds a {type(value).__name__}, not a scheduler's state_dict",
+                          path=where, key=SCHEDULE_KEY)
 
 
 def _rng_tensor(random) -> torch.Tensor:

@@ -117,9 +117,33 @@ def read_manifest(path: Path) -> dict:
         hint = " (an unfinished save: the run stopped before it completed)" if path.name.endswith(TMP_SUFFIX) else ""
         raise CheckpointError(f"{path} is not a complete shardlang checkpoint: it has no {MANIFEST}{hint}", path=path)
     try:
-        return json.loads(file.read_text())
+        manifest = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file} is corrupt: {exc}", path=file) from None
+    _check_manifest(manifest, file)
+    return manifest
+
+
+def _check_manifest(manifest: object, file: Path) -> None:
+    """A manifest names plain files of its own directory, each with a size and a CRC-32: nothing outside it
+    is read (Note [checkpoints run no code] in `untrusted`)."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{file} is corrupt: it has no \"files\" object (name -> bytes, crc32)", path=file)
+    for name, entry in files.items():
+        if not _plain_file_name(name):
+            raise CheckpointError(f"{file} names the file {name!r}, which is not a file of its directory; a "
+                                  "manifest lists plain file names only", path=file)
+        ok = isinstance(entry, dict) and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+                                             and entry[k] >= 0 for k in ("bytes", "crc32"))
+        if not ok:
+            raise CheckpointError(f"{file} is corrupt: the entry of {name!r} is {entry!r}; expected "
+                                  "{\"bytes\": <int>, \"crc32\": <int>}", path=file)
+
+
+def _plain_file_name(name: object) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
 
 
 def verify(path: Path, manifest: dict, rank: int, world: int, group) -> None:

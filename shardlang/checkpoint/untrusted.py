@@ -1,0 +1,116 @@
+"""Reading checkpoints that someone else wrote: nothing in them runs code.
+
+Note [checkpoints run no code]: a checkpoint directory is data from outside.
+DCP stores two kinds of pickle in it, and unpickling runs whatever callables
+the file names:
+
+- ``.metadata``, DCP's index of keys, shapes and files, which its
+  ``FileSystemReader`` reads with plain ``pickle.load``. `SafeReader` reads it
+  with `MetadataUnpickler` instead, which admits DCP's metadata classes and the
+  few torch types they hold (sizes, dtypes, layouts) and nothing else.
+- every non-tensor value (param groups' floats and names, shardlang's JSON
+  strings), which DCP's default load planner reads with
+  ``torch.load(weights_only=False)``. shardlang's planner reads them with
+  `load_value`: ``torch.load(weights_only=True)``, torch's own allowlist of
+  primitive types and tensors.
+
+A refused type is a `CheckpointError` naming the file and the type. shardlang's
+own entries are tensors, numbers or JSON strings (Note [checkpoint keys]), so a
+checkpoint it wrote never needs more; FSDP2's checkpoints hold only
+primitives beside their tensors, so both directions keep working.
+
+Example::
+
+    reader = SafeReader("ckpt/step-3")
+    reader.read_metadata().state_dict_metadata     # keys, shapes, dtypes; no code ran
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from ..errors import CheckpointError
+
+#: What `.metadata` may name: DCP's metadata types, and the torch and Python types their fields hold.
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    *(("torch.distributed.checkpoint.filesystem", name) for name in ("_StorageInfo", "_StoragePrefix")),
+    *(("torch.distributed.checkpoint.planner", name) for name in ("WriteItemType", "LoadItemType")),
+    ("torch", "Size"), ("torch", "strided"), ("torch", "sparse_coo"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    *(("torch", str(dtype).removeprefix("torch.")) for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+        torch.float8_e5m2)),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+    ("copyreg", "_reconstructor"), ("builtins", "object"),
+})
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that finds only `ALLOWED_GLOBALS` (Note [checkpoints run no code]).
+
+    Example::
+
+        >>> MetadataUnpickler(io.BytesIO(pickle.dumps(torch.Size([2, 3]))), "x").load()
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, file: Any, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise CheckpointError(
+                f"{self.where} asks to load {module}.{name}, which a checkpoint's metadata never holds; it was "
+                "refused, not run (a crafted or corrupt file: only DCP's metadata types are read from it)",
+                path=self.where)
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, with ``.metadata`` read by `MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self._get_metadata_path(rank))
+        try:
+            with open(path, "rb") as file:
+                metadata = MetadataUnpickler(file, str(path)).load()
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}", path=path) from None
+        except Exception as exc:
+            raise CheckpointError(f"{path} is not DCP metadata: {type(exc).__name__}: {exc}", path=path) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", path=path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_value(data: io.BytesIO, where: str, key: str) -> Any:
+    """A non-tensor value DCP stored (a ``torch.save`` of it), read with torch's ``weights_only`` allowlist."""
+    try:
+        return torch.load(data, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = str(exc).split("\n")
+        detail = next((line.strip() for line in refused if "GLOBAL" in line or "Unsupported" in line), refused[0])
+        raise CheckpointError(f"{where}: the value of {key!r} asks to load a type that is not plain data and was "
+                              f"refused, not run ({detail})", path=where, key=key) from None
+    except Exception as exc:
+        raise CheckpointError(f"{where}: the value of {key!r} cannot be read: {type(exc).__name__}: {exc}",
+                              path=where, key=key) from None
