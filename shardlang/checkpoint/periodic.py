@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from . import saving
-from .store import CheckpointDir
+from .store import CheckpointDir, run_of
 
 
 class Periodic:
@@ -28,19 +28,30 @@ class Periodic:
     in flight is waited for before the next one and by `finish`.
     """
 
-    def __init__(self, directory: CheckpointDir, every: int | None, asynchronous: bool = False):
+    def __init__(self, directory: CheckpointDir, every: int | None, asynchronous: bool = False,
+                 overwrite: bool = False):
         self.directory = directory
         self.every = every
         self.asynchronous = asynchronous
+        self.overwrite = overwrite  # remove other runs' checkpoints once this run has one of its own
         self.pending: saving.AsyncSave | None = None
         self.saved: list[Path] = []
 
     def resume(self, step) -> saving.Restored | None:
-        """Load the latest complete checkpoint of the directory into ``step``; None when there is none."""
+        """Load the latest complete checkpoint of the directory into ``step``; None when there is none.
+
+        The run goes on under the run id of the checkpoint it resumed from, so that ``keep`` counts
+        the checkpoints of the resumed run as its own."""
         latest = self.directory.latest()
         from .saving import load  # torch.distributed.checkpoint: imported when first used
 
-        return load(step, latest) if latest is not None else None
+        if latest is None:
+            return None
+        restored = load(step, latest)
+        resumed_run = run_of(latest)
+        if resumed_run is not None:
+            self.directory.run_id = resumed_run
+        return restored
 
     def after_step(self, step, steps_done: int, *, last: bool = False) -> Path | None:
         """Save when ``steps_done`` is a multiple of ``every`` or ``last``; the checkpoint's path, or None."""
@@ -49,11 +60,14 @@ class Periodic:
         from .saving import save, save_async  # torch.distributed.checkpoint: imported when first used
 
         path = self.directory.path_for(steps_done)
+        self._settle(step)  # no save in flight from here on
+        if step.dist.rank == 0:
+            self.directory.remove_unfinished()  # what a killed save left behind
+        run = self.directory.run_id
         if self.asynchronous:
-            self._settle(step)
-            self.pending = save_async(step, path, data_position=steps_done)
+            self.pending = save_async(step, path, data_position=steps_done, run=run)
         else:
-            save(step, path, data_position=steps_done)
+            save(step, path, data_position=steps_done, run=run)
             self._done(step, path)
         return path
 
@@ -70,4 +84,6 @@ class Periodic:
     def _done(self, step, path: Path) -> None:
         self.saved.append(path)
         if step.dist.rank == 0:
-            self.directory.prune()
+            if self.overwrite and len(self.saved) == 1:
+                self.directory.remove_other_runs()
+            self.directory.prune(just_saved=path)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -85,13 +87,14 @@ def state_dict(step, data_position: int | None = None, snapshot=None) -> dict:
     }
 
 
-def save(step, path, *, data_position: int | None = None) -> Path:
+def save(step, path, *, data_position: int | None = None, run: str | None = None) -> Path:
     """Write ``step``'s state to the checkpoint directory ``path`` (a collective: every rank calls it).
 
-    ``data_position`` is the job's position in its data (default: the steps done).
+    ``data_position`` is the job's position in its data (default: the steps done); ``run`` the id of
+    the run that saves, recorded in the manifest (Note [replacing a checkpoint] in `store`).
     """
     path = Path(path)
-    _write(state_dict(step, data_position), path, step.dist, group=None)
+    _write(state_dict(step, data_position), path, step.dist, None, run)
     return path
 
 
@@ -118,7 +121,7 @@ class _Writer:
         self.pending: AsyncSave | None = None
 
 
-def save_async(step, path, *, data_position: int | None = None) -> AsyncSave:
+def save_async(step, path, *, data_position: int | None = None, run: str | None = None) -> AsyncSave:
     """Snapshot ``step``'s state now and write it in the background (a collective, as `save`).
 
     A save still in flight is waited for first, so at most one snapshot is held.
@@ -130,7 +133,7 @@ def save_async(step, path, *, data_position: int | None = None) -> AsyncSave:
         writer.pending.wait()
     path = Path(path)
     sd = state_dict(step, data_position, snapshot=_Snapshot.of(step.state))
-    future = writer.executor.submit(_write, sd, path, step.dist, writer.group)
+    future = writer.executor.submit(_write, sd, path, step.dist, writer.group, run)
     writer.pending = AsyncSave(future, path)
     return writer.pending
 
@@ -142,17 +145,54 @@ def wait_for_saves(step) -> None:
         writer.pending.wait()
 
 
-def _write(sd: dict, path: Path, ctx, group) -> Path:
+def _write(sd: dict, path: Path, ctx, group, run: str | None = None) -> Path:
     tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
+    record = json.loads(sd["shardlang"]["meta"])
     try:
         with _quiet(ctx):
             dcp.save(sd, storage_writer=FileSystemWriter(str(tmp)), planner=EntrySavePlanner(),
                      process_group=group, no_dist=not ctx.has_process_group)
-    except CheckpointException as exc:
-        raise CheckpointError(f"writing checkpoint {path} failed: {_first_failure(exc)}", path=path) from exc
-    record = json.loads(sd["shardlang"]["meta"])
-    store.publish(path, ctx.rank, ctx.world_size, group, {"steps": record["steps"], "world_size": ctx.world_size})
+        store.publish(path, ctx.rank, ctx.world_size, group,
+                      {"steps": record["steps"], "world_size": ctx.world_size, "run": run})
+    except Exception as exc:  # nothing half-written stays behind; the previous checkpoint is untouched
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(exc, path, tmp) from exc
     return path
+
+
+#: Below this many free bytes, a failed write is taken for a full disk (torch's writer reports ENOSPC as
+#: "unexpected pos", without the errno).
+NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def _write_error(exc: Exception, path: Path, tmp: Path) -> CheckpointError:
+    """What failed, said so that a user can act: a full disk names ENOSPC and where."""
+    detail = _first_failure(exc) if isinstance(exc, CheckpointException) else f"{type(exc).__name__}: {exc}"
+    causes = [inner for _rank, inner in _failures(exc)] if isinstance(exc, CheckpointException) else [exc]
+    full = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in _chain(causes))
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if full or (free is not None and free < NEARLY_FULL_BYTES):
+        shown = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
+        return CheckpointError(f"writing checkpoint {path} failed: no space left on the device that holds "
+                               f"{path.parent} (ENOSPC, {shown}); the unfinished {tmp.name} was removed and earlier "
+                               f"checkpoints are untouched. Free space or pass another --checkpoint-dir "
+                               f"({detail})", path=path)
+    return CheckpointError(f"writing checkpoint {path} failed: {detail}; the unfinished {tmp.name} was removed and "
+                           "earlier checkpoints are untouched", path=path)
+
+
+def _chain(errors: list[BaseException]):
+    """Each error and its causes."""
+    for error in errors:
+        seen = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            yield error
+            error = error.__cause__ or error.__context__
 
 
 def load(step, path) -> Restored:

@@ -10,6 +10,18 @@ treats as a checkpoint (and the next save of that name removes). A
 checkpoint is complete exactly when its directory has its final name and a
 manifest; `latest` picks the newest complete one.
 
+Note [replacing a checkpoint]: saving again under an existing name (a rerun
+with ``--overwrite``) must keep a complete checkpoint findable at every
+instant. The old directory is renamed to ``<name>.old`` only once the new one
+is complete, the new one is renamed into place, and only then is ``.old``
+removed; the parent directory is fsynced after each rename. A crash between the
+renames leaves ``<name>.old`` alone, and `CheckpointDir.complete` takes it for
+``<name>``, so ``--resume`` finds it.
+
+The manifest also names the run that wrote the checkpoint (a random id per
+``shardlang run``, kept across ``--resume``): ``--keep`` prunes only that run's
+checkpoints, and never the one it has just saved.
+
 On load every file is checked against the manifest before a byte is read into
 the state (each rank checks a share of them), so a truncated or corrupt file is
 a `CheckpointError` naming the file, and the state is left as it was.
@@ -36,6 +48,7 @@ from ..errors import CheckpointError
 
 MANIFEST = "shardlang.json"
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 READ_BYTES = 1 << 24
 
@@ -96,14 +109,18 @@ def publish(path: Path, rank: int, world: int, group, record: dict) -> None:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        old = None
-        if path.exists():  # replace an older checkpoint of the same name only now that the new one is complete
-            old = path.with_name(path.name + ".old")
-            if old.exists():
+        _fsync_directory(tmp)
+        # Note [replacing a checkpoint]: an older checkpoint of the same name steps aside to <name>.old only
+        # now that the new one is complete, and is removed only once the new one has its name.
+        old = replaced(path)
+        if path.exists():
+            if old.exists():  # a stale copy: `path` itself is complete
                 shutil.rmtree(old)
             path.rename(old)
+            _fsync_directory(path.parent)
         tmp.rename(path)
-        if old is not None:
+        _fsync_directory(path.parent)
+        if old.exists():
             shutil.rmtree(old)
     _barrier(world, group)
 
@@ -171,42 +188,123 @@ def _check_file(file: Path, expected: dict) -> str | None:
 
 
 class CheckpointDir:
-    """A directory of checkpoints ``step-<k>``, the newest ``keep`` kept (None: all).
+    """A directory of checkpoints ``step-<k>`` of one run, the newest ``keep`` of that run kept (None: all).
+
+    ``run_id`` (recorded in each manifest this run publishes) is what `prune` goes by: it removes
+    only this run's checkpoints, never another run's, and never the one just saved.
 
     Example: ``CheckpointDir("runs/a", keep=2).latest()`` is the newest complete checkpoint, or None.
     """
 
-    def __init__(self, root, keep: int | None = None):
+    def __init__(self, root, keep: int | None = None, run_id: str | None = None):
         self.root = Path(root)
         self.keep = keep
+        self.run_id = run_id
 
     def path_for(self, steps: int) -> Path:
         return self.root / f"step-{steps:08d}"
 
     def complete(self) -> list[tuple[int, Path]]:
-        """Every complete checkpoint, oldest first."""
+        """Every complete checkpoint, oldest first (Note [replacing a checkpoint]: a ``step-<k>.old`` stands
+        for ``step-<k>`` when a crash between the two renames left it alone)."""
         if not self.root.is_dir():
             return []
-        found = []
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and (p / MANIFEST).is_file():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        found: dict[int, Path] = {}
+        for p in sorted(self.root.iterdir(), key=lambda p: p.name.endswith(OLD_SUFFIX)):  # step-<k> first
+            m = STEP_DIR.match(p.name.removesuffix(OLD_SUFFIX))
+            if m and int(m.group(1)) not in found and (p / MANIFEST).is_file():
+                found[int(m.group(1))] = p
+        return sorted(found.items())
 
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1][1] if done else None
 
-    def prune(self) -> list[Path]:
-        """Remove all but the newest ``keep`` complete checkpoints (rank 0 calls it)."""
+    def runs(self) -> dict[Path, str | None]:
+        """The run that wrote each complete checkpoint (None: written before runs were recorded)."""
+        return {path: run_of(path) for _, path in self.complete()}
+
+    def prune(self, just_saved: Path | None = None) -> list[Path]:
+        """Remove all but the newest ``keep`` complete checkpoints of this run, never ``just_saved`` (rank 0)."""
         if self.keep is None:
             return []
-        done = self.complete()
-        removed = [p for _, p in done[: max(0, len(done) - self.keep)]]
+        mine = [(k, p) for k, p in self.complete() if self.run_id is None or run_of(p) == self.run_id]
+        removed = [p for _, p in mine[: max(0, len(mine) - self.keep)] if p != just_saved]
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)
         return removed
+
+    def remove_other_runs(self) -> list[Path]:
+        """Remove the complete checkpoints that another run wrote (``--overwrite``, once this run has one)."""
+        removed = [p for p, run in self.runs().items() if run != self.run_id]
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+        return removed
+
+    def remove_unfinished(self) -> list[Path]:
+        """Remove the ``.tmp`` directories that saves killed before they completed left behind (rank 0, with no
+        save in flight)."""
+        if not self.root.is_dir():
+            return []
+        stale = [p for p in self.root.iterdir()
+                 if p.name.endswith(TMP_SUFFIX) and STEP_DIR.match(p.name.removesuffix(TMP_SUFFIX)) and p.is_dir()]
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        return stale
+
+
+def replaced(path: Path) -> Path:
+    """Where the checkpoint ``path`` steps aside while a new one of its name takes its place."""
+    return path.with_name(path.name + OLD_SUFFIX)
+
+
+def steps_of(path: Path) -> int | None:
+    """The steps done that ``path``'s manifest records (None when it records none, or cannot be read)."""
+    try:
+        steps = json.loads((path / MANIFEST).read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+def run_of(path: Path) -> str | None:
+    """The run id in ``path``'s manifest (None when it has none, or it cannot be read)."""
+    try:
+        run = json.loads((path / MANIFEST).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def check_directory(root: Path, flag: str = "--checkpoint-dir") -> None:
+    """``root`` can hold checkpoints: it is a directory, or one can be made there, and it is writable.
+
+    Called before compiling, so that a bad directory is an error in a second, not after training.
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{flag} {root} is a file, not a directory; name a directory (it is created if "
+                              "missing)", path=root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{flag} {root} cannot be created: {exc.strerror or exc}", path=root) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{flag} {root} is not writable by this user; name a directory you can write",
+                              path=root)
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _barrier(world: int, group) -> None:

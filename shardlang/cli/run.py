@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -41,8 +42,9 @@ import attrs
 
 from .. import api
 from ..checkpoint import CheckpointDir
+from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
-from ..errors import SpecError
+from ..errors import CheckpointError, SpecError
 from ..job import Job, build, global_batch, init_of, load_job
 from ..progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
@@ -98,8 +100,12 @@ def add_parser(subparsers) -> None:
     saving.add_argument("--resume", action="store_true",
                         help="load the latest complete checkpoint in --checkpoint-dir first and continue from it "
                              "(a fresh start when there is none)")
+    saving.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a --checkpoint-dir that holds another run's checkpoints; they are "
+                             "removed once this run's first checkpoint is complete")
     saving.add_argument("--keep", metavar="N", type=positive("a number of checkpoints"), default=None,
-                        help="keep only the newest N checkpoints in --checkpoint-dir (default: all)")
+                        help="keep only the newest N checkpoints of this run in --checkpoint-dir (default: all); "
+                             "never the one just saved, never another run's")
     saving.add_argument("--async-save", action="store_true",
                         help="write checkpoints in the background while training goes on")
     parser.set_defaults(command=main)
@@ -114,23 +120,51 @@ class Checkpointing:
     resume: bool = False
     keep: int | None = None
     asynchronous: bool = False
+    overwrite: bool = False
+    run_id: str | None = None  # recorded in each manifest; --keep prunes by it (Note [replacing a checkpoint])
 
     @classmethod
     def from_args(cls, args) -> Checkpointing:
+        """The flags, checked before anything compiles: the directory can hold checkpoints, and a fresh run does
+        not mix with another run's checkpoints unless told to."""
         flags = {"--checkpoint-every": args.checkpoint_every, "--resume": args.resume or None,
-                 "--keep": args.keep, "--async-save": args.async_save or None}
+                 "--keep": args.keep, "--async-save": args.async_save or None, "--overwrite": args.overwrite or None}
         if args.checkpoint_dir is None:
             given = [flag for flag, value in flags.items() if value is not None]
             if given:
                 raise SpecError(f"{given[0]} needs --checkpoint-dir D (the directory of the checkpoints)")
             return cls()
-        return cls(str(Path(args.checkpoint_dir).resolve()), args.checkpoint_every, args.resume, args.keep,
-                   args.async_save)
+        if args.resume and args.overwrite:
+            raise SpecError("--resume and --overwrite exclude each other: --resume continues from the latest "
+                            "checkpoint in --checkpoint-dir, --overwrite starts afresh and replaces them")
+        root = Path(args.checkpoint_dir).resolve()
+        check_directory(root)
+        if not args.resume and not args.overwrite:
+            found = CheckpointDir(root).complete()
+            if found:
+                names = ", ".join(p.name for _, p in found[-3:]) + (f" ({len(found)} in all)" if len(found) > 3 else "")
+                raise CheckpointError(f"--checkpoint-dir {root} already holds checkpoints ({names}); pass --resume "
+                                      "to continue from the latest, or --overwrite to start afresh and replace "
+                                      "them", path=root)
+        return cls(str(root), args.checkpoint_every, args.resume, args.keep, args.async_save, args.overwrite,
+                   uuid.uuid4().hex)
 
     def periodic(self) -> Periodic | None:
         if self.directory is None:
             return None
-        return Periodic(CheckpointDir(self.directory, keep=self.keep), self.every, asynchronous=self.asynchronous)
+        return Periodic(CheckpointDir(self.directory, keep=self.keep, run_id=self.run_id), self.every,
+                        asynchronous=self.asynchronous, overwrite=self.overwrite)
+
+    def nothing_to_do(self, steps: int) -> str | None:
+        """Why a resumed run would train no step (its latest checkpoint is at ``steps`` or past it); else None."""
+        if not self.resume:
+            return None
+        latest = CheckpointDir(self.directory).latest()
+        done = steps_of(latest) if latest is not None else None
+        if done is None or done < steps:
+            return None
+        return (f"nothing to do: the latest checkpoint in {self.directory} ({latest.name}) is at step {done}, "
+                f"and --steps {steps} asks for no more; pass --steps greater than {done} to train on")
 
 
 def main(args) -> int:
@@ -142,6 +176,8 @@ def main(args) -> int:
                             "drop --nproc or make them equal")
         job = _load(args, world)
         checkpoints = Checkpointing.from_args(args)
+        if _nothing_to_do(checkpoints, args.steps, read_env().rank == 0):
+            return 0
         ctx = init_from_env(timeout_s=args.timeout)
         try:
             _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights, _progress(args),
@@ -152,6 +188,8 @@ def main(args) -> int:
     nproc = args.nproc or 1
     job = _load(args, nproc)
     checkpoints = Checkpointing.from_args(args)
+    if _nothing_to_do(checkpoints, args.steps, True):
+        return 0
     trace = str(Path(args.trace).resolve()) if args.trace else None
     weights = str(Path(args.weights).resolve()) if args.weights else None
     progress = _progress(args)
@@ -164,6 +202,14 @@ def main(args) -> int:
                timeout=None, threads=threads_per_rank(nproc), prefix_output=OutputPrefix.OTHER_RANKS,
                collective_timeout=args.timeout, name=f"shardlang run {shown(job.path)}")
     return 0
+
+
+def _nothing_to_do(checkpoints: Checkpointing, steps: int, shown: bool) -> bool:
+    """Say so (on rank 0) when a resumed run has no step left to train."""
+    reason = checkpoints.nothing_to_do(steps)
+    if reason is not None and shown:
+        print(reason, flush=True)
+    return reason is not None
 
 
 def _progress(args) -> ProgressOptions:
