@@ -69,3 +69,15 @@ class CheckpointError(ShardlangRuntimeError):
         super().__init__(message)
         self.path = path
         self.key = key
+
+
+class NonFiniteError(ShardlangRuntimeError):
+    """Training stopped: the loss or gradient norm was inf or nan on more steps than allowed (``--max-nonfinite``).
+
+    ``step`` is the 1-based step at which the run stopped; ``count`` the non-finite steps so far.
+    """
+
+    def __init__(self, message: str, *, step: int, count: int):
+        super().__init__(message)
+        self.step = step
+        self.count = count

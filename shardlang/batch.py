@@ -28,6 +28,10 @@ def split_batch(global_batch, world_size: int, rank: int):
                 "every leaf of a batch must be a tensor with a batch dim 0"
             )
         size = leaf.shape[0]
+        if size == 0:
+            raise ShardlangRuntimeError(
+                f"global batch leaf {index} has 0 rows (shape {tuple(leaf.shape)}); a batch needs at least one row "
+                f"per rank, so a multiple of world size {world_size} rows")
         if size % world_size:
             raise ShardlangRuntimeError(
                 f"global batch size {size} (batch leaf {index}, shape {tuple(leaf.shape)}) does not divide by "
@@ -49,6 +53,9 @@ def check_example_batch(batch) -> None:
                         "list or dict of tensors")
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
+            if leaf.dim() >= 1 and leaf.shape[0] == 0:
+                raise SpecError(f"example_batch leaf {index} has 0 rows (shape {tuple(leaf.shape)}); the step is "
+                                "compiled for a per-rank batch of at least one row")
             continue
         hint = "; convert it with torch.from_numpy" if type(leaf).__module__ == "numpy" else ""
         text = repr(leaf)

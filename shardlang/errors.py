@@ -9,7 +9,8 @@ compiler is the lowest layer)::
     ├── CompileError           a compiler pass failed (.pass_name, .passes_before)
     │   └── ScheduleError      the schedule verifier found a broken invariant
     └── ShardlangRuntimeError  running a compiled step failed (also a RuntimeError)
-        └── CheckpointError    a checkpoint could not be written or read (.path, .key)
+        ├── CheckpointError    a checkpoint could not be written or read (.path, .key)
+        └── NonFiniteError     training stopped on an inf or nan loss or gradient (.step, .count)
 
 Example::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from shardlang.compiler.errors import (
     CheckpointError,
     CompileError,
+    NonFiniteError,
     ScheduleError,
     ShardlangError,
     ShardlangRuntimeError,
@@ -34,6 +36,7 @@ from shardlang.compiler.errors import (
 __all__ = [
     "CheckpointError",
     "CompileError",
+    "NonFiniteError",
     "ScheduleError",
     "ShardlangError",
     "ShardlangRuntimeError",

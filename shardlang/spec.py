@@ -291,6 +291,10 @@ class Spec:
             doc = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise SpecError(f"{path}: not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise SpecError(f"{path}: not valid TOML: byte {e.start} is not UTF-8 ({e.reason})") from None
+        except OSError as e:
+            raise SpecError(f"{path}: cannot be read: {e.strerror or e}") from None
         if table is None:
             table = "shardlang" if "shardlang" in doc else ""
             if not table and "mesh" not in doc:

@@ -7,7 +7,9 @@ whole name, ``*`` crosses dots). The semantics:
 - Each pattern picks the OUTERMOST modules it matches: a matched module inside
   another module matched by the same pattern is skipped. So ``blocks.*`` gives
   ``blocks.0``, ``blocks.1``, ... and not ``blocks.0.attn`` too.
-- Different patterns may give nested units (``["blocks.*", "blocks.*.mlp"]``).
+- Different patterns may give nested units (``["blocks.*", "blocks.*.mlp"]``),
+  but never the same module twice (``["blocks.*", "blocks.0"]`` is a `SpecError`
+  naming both patterns).
   A parameter belongs to the DEEPEST unit module that contains it.
 - The model itself is the root unit, named ``""`` (shown as ``<root>``): it
   holds every parameter in no other unit. Patterns never match the root.
@@ -122,7 +124,7 @@ def find_units(model: nn.Module, patterns: Sequence[str] | None, source: str = "
     if patterns is None:
         return default_units(model)
     names = [name for name, _ in model.named_modules() if name != ROOT_UNIT]
-    units: set[str] = set()
+    picked_by: dict[str, int] = {}  # unit -> the index of the pattern that picked it
     for i, pattern in enumerate(patterns):
         matched = [name for name in names if fnmatchcase(name, pattern)]
         if not matched:
@@ -130,8 +132,15 @@ def find_units(model: nn.Module, patterns: Sequence[str] | None, source: str = "
                 f"{source}[{i}] = {pattern!r} matches no module of the model ({type(model).__name__}); "
                 f"patterns match whole module names, such as {_some_names(names) or '(it has no submodules)'}"
             )
-        units.update(_outermost(matched))
-    return _in_module_order(model, units)
+        for name in _outermost(matched):
+            if name in picked_by:  # nested units are fine; the same module twice is a spec that says two things
+                j = picked_by[name]
+                raise SpecError(
+                    f"{source}[{j}] = {patterns[j]!r} and {source}[{i}] = {pattern!r} both make module {name!r} a "
+                    "unit; each module may be one unit only: drop one pattern, or narrow it so that they pick "
+                    "different modules (a unit nested in another, such as 'blocks.*' and 'blocks.*.mlp', is fine)")
+            picked_by[name] = i
+    return _in_module_order(model, picked_by)
 
 
 def unit_of(param_name: str, units: Collection[str]) -> str:

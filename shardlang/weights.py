@@ -86,10 +86,10 @@ class WeightFiles:
     def _from_index(cls, index: Path) -> WeightFiles:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise SpecError(f"weights index {str(index)!r} is not a safetensors index (a JSON object with a "
                             f"'weight_map' from tensor names to file names): {exc}") from None
-        file_of = {name: index.parent / file for name, file in weight_map.items()}
+        file_of = _files_of(weight_map, index)
         for file in sorted(set(file_of.values())):
             if not file.is_file():
                 names = [n for n, f in file_of.items() if f == file]
@@ -143,11 +143,24 @@ class WeightFiles:
                             + "; every parameter needs a tensor, under its name or the name of a parameter tied to it")
         shapes = {**{n: tuple(p.shape) for n, p in model.named_parameters()},
                   **{n: tuple(b.shape) for n, b in model.named_buffers()}}
+        dtypes = {**{n: p.dtype for n, p in model.named_parameters()},
+                  **{n: b.dtype for n, b in model.named_buffers()}}
         for canonical_name, key in [*params.items(), *buffers.items()]:
             if self.shape(key) != shapes[canonical_name]:
                 raise SpecError(f"weights: tensor {key!r} in {self.where(key)} has shape {list(self.shape(key))}; "
                                 f"the model's {canonical_name!r} has shape {list(shapes[canonical_name])}")
+            self._check_kind(key, canonical_name, dtypes[canonical_name])
         return params, buffers
+
+    def _check_kind(self, key: str, canonical_name: str, dtype: torch.dtype) -> None:
+        """Note [weights dtypes]: a float of another width converts (bfloat16 weights into a float32 model); a
+        value of another kind (integers for a float parameter, floats for an integer buffer) is an error."""
+        code = self._handle(key).get_slice(key).get_dtype()
+        have, want = _kind_of_code(code), _kind_of_dtype(dtype)
+        if have != want:
+            raise SpecError(f"weights: tensor {key!r} in {self.where(key)} holds {have} values ({code}); the "
+                            f"model's {canonical_name!r} is {str(dtype).removeprefix('torch.')} ({want}). Weights "
+                            f"of another float width convert; {have} values are never cast to {want}")
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor ``name`` whole, in ``dtype``."""
@@ -189,6 +202,45 @@ class WeightFiles:
         first, last = lo // row, -(-hi // row)
         rows = self._handle(name).get_slice(name)[first:last].reshape(-1)
         return rows[lo - first * row : hi - first * row]
+
+
+def _files_of(weight_map: object, index: Path) -> dict[str, Path]:
+    """The index's tensor name -> file, each file inside the index's directory (a file from others names
+    nothing outside it)."""
+    if not isinstance(weight_map, dict):
+        raise SpecError(f"weights index {str(index)!r}: 'weight_map' is a {type(weight_map).__name__}; expected a "
+                        "JSON object from tensor names to file names")
+    root = index.parent.resolve()
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise SpecError(f"weights index {str(index)!r} maps {name!r} to {file!r}; expected the name of a "
+                            ".safetensors file in {str(index.parent)!r}")
+        path = (index.parent / file).resolve()
+        if Path(file).is_absolute() or not path.is_relative_to(root):
+            raise SpecError(f"weights index {str(index)!r} maps {name!r} to {file!r}, which is outside "
+                            f"{str(index.parent)!r}; an index names files of its own directory only")
+        files[name] = index.parent / file
+    return files
+
+
+def _kind_of_code(code: str) -> str:
+    """safetensors' dtype code as a kind: 'floating-point', 'integer', 'boolean' or 'complex'."""
+    if code == "BOOL":
+        return "boolean"
+    if code.startswith(("F", "BF")):
+        return "floating-point"
+    if code.startswith("C"):
+        return "complex"
+    return "integer"
+
+
+def _kind_of_dtype(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "boolean"
+    if dtype.is_complex:
+        return "complex"
+    return "floating-point" if dtype.is_floating_point else "integer"
 
 
 def _open(file: Path):

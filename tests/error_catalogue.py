@@ -108,6 +108,76 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
+class _Payload:
+    """Unpickling this would run ``os.system``: what a crafted checkpoint file holds."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo this never runs",))
+
+
+def _crafted(tmp: Path) -> Path:
+    """A checkpoint whose .metadata is a crafted pickle, its manifest recomputed to match."""
+    import json
+    import pickle
+
+    from shardlang.checkpoint import store
+
+    path = _saved(tmp)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    manifest["files"] = store.describe(sorted(p for p in path.iterdir() if p.is_file() and p.name != store.MANIFEST))
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def _outside_manifest(tmp: Path) -> Path:
+    import json
+
+    from shardlang.checkpoint import store
+
+    path = _saved(tmp)
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    manifest["files"]["../../etc/passwd"] = {"bytes": 1, "crc32": 0}
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def _weights(tmp: Path, dtype: torch.dtype) -> str:
+    """A safetensors file of `mlp()`'s tensors in ``dtype``."""
+    from safetensors.torch import save_file
+
+    save_file({k: (v * 100).to(dtype) for k, v in mlp().state_dict().items()}, str(tmp / "w.safetensors"))
+    return str(tmp / "w.safetensors")
+
+
+def _index(tmp: Path, weight_map: dict) -> str:
+    import json
+
+    _weights(tmp, torch.float32)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(tmp)
+
+
+def _meta_step(weights: str):
+    with torch.device("meta"):
+        model = mlp()
+    return sl.compile(model, mse, sl.Spec(sl.Mesh(fsdp=1)), optimizer=sl.SGD(lr=0.1), example_batch=BATCH,
+                      weights=weights)
+
+
+def _file(path: Path) -> str:
+    path.write_text("not a directory")
+    return str(path)
+
+
+def _with_checkpoints(tmp: Path) -> str:
+    (tmp / "ckpt").mkdir()
+    _saved(tmp / "ckpt").rename(tmp / "ckpt" / "step-00000001")
+    return str(tmp / "ckpt")
+
+
 JOB = '''\
 import torch
 from torch import nn
@@ -223,6 +293,12 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("spec-unit-matches-nothing", "spec", "units=['encoder.*']",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), units=["encoder.*"])), S,
              ("units[0]", "'encoder.*'", "matches no module", "'0', '1', '2'")),
+    BadInput("spec-units-overlap", "spec", "units=['*', '0'] (both pick module `'0'`)",
+             lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=1), units=["*", "0"])), S,
+             ("units[0] = '*'", "units[1] = '0'", "module '0'", "one unit only")),
+    BadInput("spec-toml-not-utf8", "spec", "`sl.Spec.from_toml(path)` on a file that is not UTF-8",
+             lambda tmp: sl.Spec.from_toml(_bytes(tmp / "spec.toml", b"mesh = \x80")), S,
+             ("<tmp>/spec.toml", "not valid TOML", "not UTF-8")),
     BadInput("spec-shard-dim-out-of-range", "spec", "`rules=[('*', sl.shard('fsdp', dim=3))]` on 2-d weights",
              lambda tmp: plan(spec=sl.Spec(sl.Mesh(fsdp=2), rules=[("*", sl.shard("fsdp", dim=3))]), world=2,
                               batch=split_batch(BATCH, 2, 0)), S,
@@ -275,6 +351,8 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("batch-numpy", "batch", "example_batch=(x.numpy(), y.numpy())",
              lambda tmp: plan(batch=(BATCH[0].numpy(), BATCH[1].numpy())), S,
              ("leaf 0 is ndarray", "torch.from_numpy")),
+    BadInput("batch-zero-rows", "batch", "example_batch=(torch.randn(0, 4), torch.randn(0, 2))",
+             lambda tmp: plan(batch=(torch.randn(0, 4), torch.randn(0, 2))), S, ("leaf 0", "0 rows", "(0, 4)")),
     BadInput("batch-indivisible", "batch", "`split_batch(batch, world_size=4, rank=0)` on a batch of 6 rows",
              lambda tmp: split_batch(BATCH, 4, 0), R, ("global batch size 6", "world size 4", "multiple of 4")),
     BadInput("batch-wrong-dims-at-step", "batch", "`step((x, y[..., None]))` after compiling for y of shape (6, 2)",
@@ -334,8 +412,34 @@ CATALOGUE: tuple[BadInput, ...] = (
              ("'model.0.weight'", "torch.float32", "torch.float64")),
     BadInput("checkpoint-truncated", "checkpoint", "a checkpoint whose data file lost its last 100 bytes",
              lambda tmp: step().load(_damaged(_saved(tmp))), K, ("__0_0.distcp", "truncated")),
+    BadInput("checkpoint-crafted-metadata", "checkpoint",
+             "a checkpoint whose `.metadata` is a pickle that calls `os.system`, its `shardlang.json` recomputed",
+             lambda tmp: step().load(_crafted(tmp)), K, (".metadata", "posix.system", "refused, not run")),
+    BadInput("checkpoint-manifest-outside", "checkpoint", "a `shardlang.json` that lists `../../etc/passwd`",
+             lambda tmp: step().load(_outside_manifest(tmp)), K,
+             ("shardlang.json", "'../../etc/passwd'", "plain file names only")),
+    BadInput("checkpoint-export-out-directory", "checkpoint", "`shardlang export D --out <an existing directory>`",
+             lambda tmp: cli("export", str(_saved(tmp)), "--out", str(_mkdir(tmp / "out"))), C,
+             ("--out <tmp>/out", "is a directory", "model.safetensors")),
+    BadInput("checkpoint-dir-is-a-file", "checkpoint", "`shardlang run JOB --checkpoint-dir FILE`, FILE a file",
+             lambda tmp: cli("run", job(tmp), "--checkpoint-dir", _file(tmp / "f")), C,
+             ("--checkpoint-dir <tmp>/f", "is a file", "name a directory")),
+    BadInput("checkpoint-dir-holds-another-run", "checkpoint",
+             "`shardlang run JOB --checkpoint-dir D` (no `--resume`), D holding checkpoints",
+             lambda tmp: cli("run", job(tmp), "--checkpoint-dir", _with_checkpoints(tmp)), C,
+             ("<tmp>/ckpt", "step-00000001", "--resume", "--overwrite")),
     BadInput("checkpoint-unfinished", "checkpoint", "`step.load('step-2.tmp')`, a save that never finished",
              lambda tmp: step().load(_mkdir(tmp / "step-2.tmp")), K, ("step-2.tmp", "unfinished save")),
+    # weights
+    BadInput("weights-integer-for-float", "weights", "`weights=` a safetensors file of int64 tensors for float32 "
+             "parameters", lambda tmp: _meta_step(_weights(tmp, torch.int64)), S,
+             ("'0.bias'", "w.safetensors", "integer values (I64)", "float32", "never cast")),
+    BadInput("weights-index-outside", "weights", "an index whose `weight_map` names `../w.safetensors`",
+             lambda tmp: _meta_step(_index(tmp, {"0.weight": "../w.safetensors"})), S,
+             ("model.safetensors.index.json", "'../w.safetensors'", "outside", "its own directory")),
+    BadInput("weights-index-not-a-name", "weights", "an index whose `weight_map` maps a tensor to `3`",
+             lambda tmp: _meta_step(_index(tmp, {"0.weight": 3})), S,
+             ("model.safetensors.index.json", "'0.weight'", "to 3", "name of a .safetensors file")),
     # launcher
     BadInput("launcher-nproc", "launcher", "WorkerPool(0)", lambda tmp: WorkerPool(0), R,
              ("nproc=0", "integer >= 1")),
@@ -361,10 +465,18 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("cli-output-directory", "CLI", "`shardlang plan JOB --world 2 --chrome-trace missing/t.json`",
              lambda tmp: cli("plan", job(tmp), "--world", "2", "--chrome-trace", str(tmp / "missing" / "t.json")), C,
              ("--chrome-trace", "<tmp>/missing/t.json", "does not exist")),
+    BadInput("cli-resume-and-overwrite", "CLI", "shardlang run JOB --checkpoint-dir D --resume --overwrite",
+             lambda tmp: cli("run", job(tmp), "--checkpoint-dir", str(tmp / "D"), "--resume", "--overwrite"), C,
+             ("--resume", "--overwrite", "exclude each other")),
     BadInput("cli-diff-not-a-plan", "CLI", "`shardlang diff other.json JOB`, other.json not a plan",
              lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
              ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
 )
+
+
+def _bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
 
 
 def _write(tmp: Path, text: str, name: str = "bad_job.py") -> str:
@@ -375,7 +487,7 @@ def _write(tmp: Path, text: str, name: str = "bad_job.py") -> str:
 
 # ---- the page -----------------------------------------------------------------------------------------------------
 
-AREAS = ("spec", "model", "batch", "job file", "checkpoint", "launcher", "CLI")
+AREAS = ("spec", "model", "batch", "job file", "checkpoint", "weights", "launcher", "CLI")
 
 INTRO = """\
 # Errors: a catalogue of bad inputs

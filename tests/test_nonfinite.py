@@ -16,7 +16,10 @@ import pytest
 import nonfinite_workers as w
 import parity
 import shardlang as sl
+from shardlang.cli import main as cli_main
 from shardlang.errors import SpecError
+
+from test_cli import shardlang
 
 STEPS, BAD = 4, 1
 TOLERANCE = 1e-12
@@ -46,3 +49,35 @@ def test_without_the_option_the_nonfinite_step_poisons_the_parameters(run_on):
 def test_skip_nonfinite_must_be_a_bool():
     with pytest.raises(SpecError, match="skip_nonfinite"):
         sl.Options(skip_nonfinite="yes")
+
+
+# ---- shardlang run: a non-finite loss stops the run (--max-nonfinite), before saving ----------------------------
+
+NAN_JOB = "tests/jobs/nan_batch.py"  # the batch of step 2 holds a nan, in rank 1's rows at N=2
+
+
+def test_run_stops_on_every_rank_at_a_nonfinite_loss_before_saving_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = shardlang("run", NAN_JOB, "--nproc", "2", "--steps", "4", "--checkpoint-dir", str(ckpt),
+                       "--checkpoint-every", "1")
+    assert result.returncode == 1, result.stderr
+    assert "step 1/4" in result.stdout and "step 2: " in result.stdout and "step 3/4" not in result.stdout
+    assert "NonFiniteError: step 2: the loss or gradient norm was not finite on 1 step (--max-nonfinite 1)" in \
+        result.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001"]  # step 2's poisoned state never saved
+
+
+def test_max_nonfinite_allows_that_many_steps(tmp_path, capsys):
+    # After step 2's nan update the parameters are nan, so every later loss is nan too.
+    assert cli_main(["run", NAN_JOB, "--steps", "4", "--max-nonfinite", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "step 3: loss nan" in captured.out and "step 4/4" not in captured.out
+    assert "not finite on 2 steps (--max-nonfinite 2)" in captured.err
+
+
+def test_with_skip_nonfinite_the_run_counts_and_goes_on(monkeypatch, capsys):
+    monkeypatch.setenv("NAN_JOB_SKIP", "1")
+    assert cli_main(["run", NAN_JOB, "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: loss nan; gradient norm nan" in out and "update skipped (1 so far)" in out
+    assert "step 4/4" in out and "trained 4 steps" in out

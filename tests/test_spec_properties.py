@@ -185,12 +185,22 @@ def test_units_are_modules_and_each_param_gets_its_deepest(params, data):
         except SpecError:
             return
         raise AssertionError("a unit pattern that matches no module was accepted")
-    resolved = spec.resolve(model, 2)
-    event(f"units: {len(set(p.unit for p in resolved.params))}")
     chosen = set()
+    overlap = False
     for u in units:  # per pattern, the matched modules with no matched ancestor
         matched = {m for m in modules if fnmatchcase(m, u)}
-        chosen |= {m for m in matched if not any(m.startswith(a + ".") for a in matched)}
+        outermost = {m for m in matched if not any(m.startswith(a + ".") for a in matched)}
+        overlap |= bool(chosen & outermost)
+        chosen |= outermost
+    if overlap:  # two patterns that pick the same module: an error naming both
+        try:
+            spec.resolve(model, 2)
+        except SpecError as e:
+            assert str(e).count("units[") == 2, str(e)
+            return
+        raise AssertionError(f"units {units} pick one module twice and were accepted")
+    resolved = spec.resolve(model, 2)
+    event(f"units: {len(set(p.unit for p in resolved.params))}")
     for p in resolved.params:
         containing = [m for m in chosen if p.name.startswith(m + ".")]
         if p.unit == "":
@@ -264,4 +274,46 @@ def test_from_dict_on_arbitrary_data_gives_a_spec_or_a_spec_error(d):
     except SpecError as e:
         assert str(e).startswith("the spec dict: ")
         return
+    assert Spec.from_dict(spec.to_dict()) == spec
+
+
+toml_values = st.recursive(
+    st.one_of(st.booleans(), st.integers(-3, 70), st.sampled_from(["*", "", "shard", "replicate", "fsdp", "a.b"])),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, min_size=1, max_size=3),
+    max_leaves=10,
+)
+
+
+def _toml(value) -> str:
+    """A TOML rendering of a value: inline tables and arrays."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+
+
+@SETTINGS
+@given(table=st.dictionaries(st.sampled_from(["mesh", "rules", "units", "options", "param_groups", "other"]),
+                             toml_values, max_size=5),
+       wrapped=st.booleans(), noise=st.one_of(st.none(), st.text(max_size=40), st.binary(max_size=40)))
+def test_from_toml_on_arbitrary_files_gives_a_spec_or_a_spec_error(tmp_path_factory, table, wrapped, noise):
+    path = tmp_path_factory.mktemp("toml") / "spec.toml"
+    body = "".join(f"{key} = {_toml(value)}\n" for key, value in table.items())
+    if wrapped:
+        body = "[shardlang]\n" + body
+    if isinstance(noise, bytes):
+        path.write_bytes(body.encode() + noise)
+    else:
+        path.write_text(body + (noise or ""))
+    try:
+        spec = Spec.from_toml(path)
+    except SpecError as e:
+        assert str(path) in str(e) or "the spec" in str(e), str(e)
+        return
+    assert isinstance(spec, Spec)
     assert Spec.from_dict(spec.to_dict()) == spec

@@ -67,6 +67,8 @@ def model_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
     reader = SafeReader(str(path))  # Note [checkpoints run no code]
     try:
         metadata = reader.read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}", path=path / ".metadata") from None
     found = {k[len(MODEL_PREFIX):]: md for k, md in metadata.state_dict_metadata.items()
@@ -97,6 +99,7 @@ def export_safetensors(checkpoint, out, *, max_shard_size=None) -> Exported:
         store.verify(path, store.read_manifest(path), 0, 1, None)
     elif not (path / ".metadata").is_file():
         store.read_manifest(path)  # raises: not a directory, or an unfinished save
+    _check_out(out)
     tensors = model_tensors(path)
     for name, md in tensors.items():
         if md.properties.dtype not in SAFETENSORS_DTYPES:
@@ -104,7 +107,6 @@ def export_safetensors(checkpoint, out, *, max_shard_size=None) -> Exported:
                                   path=path, key=f"model.{name}")
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     groups = _shard(tensors, limit) if limit else [list(tensors)]
-    out.parent.mkdir(parents=True, exist_ok=True)
     if len(groups) == 1 and not limit:
         files = [out]
     else:
@@ -151,14 +153,36 @@ def _write_file(path: Path, file: Path, tensors: dict[str, TensorStorageMetadata
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     tmp = file.with_name(file.name + store.TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for name, md in tensors.items():
-            tensor = read_tensor(path, name, md).contiguous()
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    tmp.replace(file)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for name, md in tensors.items():
+                tensor = read_tensor(path, name, md).contiguous()
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        tmp.replace(file)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {file} failed: {exc.strerror or exc}", path=file) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return offset
+
+
+def _check_out(out: Path) -> None:
+    """``out`` can be written as a file: checked before a byte of the checkpoint is read."""
+    if out.is_dir():
+        raise CheckpointError(f"--out {out} is a directory; name the .safetensors file to write (e.g. "
+                              f"{out / 'model.safetensors'})", path=out)
+    parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise CheckpointError(f"--out {out}: {parent} is a file, not a directory", path=out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"--out {out}: its directory cannot be created: {exc.strerror or exc}",
+                              path=out) from None
 
 
 def _atomic_text(file: Path, text: str) -> None:

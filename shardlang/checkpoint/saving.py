@@ -211,6 +211,8 @@ def load(step, path) -> Restored:
     reader = SafeReader(str(path))  # Note [checkpoints run no code]
     try:
         saved = reader.read_metadata().state_dict_metadata
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}", path=path / ".metadata") from None
     _check_no_extra(saved, step, path)

@@ -24,9 +24,10 @@ One module per command (`run`, `plan`, `diff`, `check`, `export`), each with
 command, write ``cli/<name>.py`` with those two functions and list it in
 `COMMANDS`.
 
-Exit codes: 0 success; 1 a check failed, or a rank failed unexpectedly (its
-traceback is printed); 2 bad input (arguments, job file, spec, batch), reported
-as one ``shardlang: error: ...`` line.
+Exit codes: 0 success; 1 a check failed, training stopped on a non-finite loss
+(`NonFiniteError`), or a rank failed unexpectedly (its traceback is printed);
+2 bad input (arguments, job file, spec, batch), reported as one
+``shardlang: error: ...`` line.
 
 Example::
 
@@ -42,7 +43,7 @@ import sys
 import traceback
 
 from ..compiler.torch_logs import VERBOSE_ENV, drop_no_action_warnings, verbose
-from ..errors import ShardlangError
+from ..errors import NonFiniteError, ShardlangError
 from ..runtime.launcher import FailureKind, PoolState, RankFailure, WorkerError
 from . import check, diff, export, plan, run
 from .check import TOLERANCES, max_relative_difference, tolerance
@@ -74,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardlang: error: {failure_text(exc, verbose())}", file=sys.stderr)
             return 1
         print(f"shardlang: error: {line}", file=sys.stderr)
-        return 2
+        return 1 if f"{NonFiniteError.__name__}:" in line else 2
     except ShardlangError as exc:
         if verbose():
             traceback.print_exc()
         print(f"shardlang: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, NonFiniteError) else 2
     except BrokenPipeError:  # `shardlang plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

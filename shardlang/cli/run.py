@@ -44,7 +44,7 @@ from .. import api
 from ..checkpoint import CheckpointDir
 from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
-from ..errors import CheckpointError, SpecError
+from ..errors import CheckpointError, NonFiniteError, SpecError
 from ..job import Job, build, global_batch, init_of, load_job
 from ..progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
@@ -89,6 +89,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--metrics", metavar="PATH", type=output_file, default=None,
                         help="write one JSON line per logged step to PATH: loss, step time, throughput, peak "
                              "memory per rank, ETA (docs/cli.md, 'Metrics')")
+    parser.add_argument("--max-nonfinite", metavar="K", type=positive("a number of steps"), default=None,
+                        help="stop with exit code 1 after K steps whose loss or gradient norm is inf or nan (default "
+                             "1; with Options(skip_nonfinite=True), which skips those updates, no limit unless given)")
     parser.add_argument("--eval-every", metavar="K", type=positive("a number of steps"), default=None,
                         help="every K steps, print the validation loss on the job's make_eval_batch(step) "
                              "(forward only, eval mode)")
@@ -109,6 +112,22 @@ def add_parser(subparsers) -> None:
     saving.add_argument("--async-save", action="store_true",
                         help="write checkpoints in the background while training goes on")
     parser.set_defaults(command=main)
+
+
+@attrs.frozen
+class RunFlags:
+    """How long and how one run trains, as plain data (sent to every rank)."""
+
+    steps: int
+    seed: int = 0
+    trace: str | None = None  # a Chrome trace of the last steps, rank 0's path
+    eval_every: int | None = None
+    max_nonfinite: int | None = None  # None: 1, or no limit under Options(skip_nonfinite=True)
+
+    @classmethod
+    def from_args(cls, args, trace: str | None = None) -> RunFlags:
+        return cls(args.steps, args.seed, trace if trace is not None else args.trace, args.eval_every,
+                   args.max_nonfinite)
 
 
 @attrs.frozen
@@ -180,8 +199,7 @@ def main(args) -> int:
             return 0
         ctx = init_from_env(timeout_s=args.timeout)
         try:
-            _train(ctx, job, args.steps, args.seed, args.trace, checkpoints, args.weights, _progress(args),
-                   args.eval_every)
+            _train(ctx, job, RunFlags.from_args(args), checkpoints, args.weights, _progress(args))
         finally:
             shutdown()
         return 0
@@ -194,11 +212,9 @@ def main(args) -> int:
     weights = str(Path(args.weights).resolve()) if args.weights else None
     progress = _progress(args)
     if nproc == 1:
-        _train(DistContext.single(), job, args.steps, args.seed, trace, checkpoints, weights, progress,
-               args.eval_every)
+        _train(DistContext.single(), job, RunFlags.from_args(args, trace), checkpoints, weights, progress)
     else:
-        launch(_run_rank, nproc, str(job.path), args.steps, args.seed, trace, checkpoints, weights, progress,
-               args.eval_every,
+        launch(_run_rank, nproc, str(job.path), RunFlags.from_args(args, trace), checkpoints, weights, progress,
                timeout=None, threads=threads_per_rank(nproc), prefix_output=OutputPrefix.OTHER_RANKS,
                collective_timeout=args.timeout, name=f"shardlang run {shown(job.path)}")
     return 0
@@ -229,16 +245,14 @@ def _load(args, world: int) -> Job:
     return job
 
 
-def _run_rank(ctx: DistContext, path: str, steps: int, seed: int, trace: str | None = None,
-              checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
-              progress: ProgressOptions = ProgressOptions(), eval_every: int | None = None) -> None:
+def _run_rank(ctx: DistContext, path: str, flags: RunFlags, checkpoints: Checkpointing = Checkpointing(),
+              weights: str | None = None, progress: ProgressOptions = ProgressOptions()) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), steps, seed, trace, checkpoints, weights, progress, eval_every)
+    _train(ctx, load_job(path), flags, checkpoints, weights, progress)
 
 
-def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None = None,
-           checkpoints: Checkpointing = Checkpointing(), weights: str | None = None,
-           progress: ProgressOptions = ProgressOptions(), eval_every: int | None = None) -> None:
+def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointing = Checkpointing(),
+           weights: str | None = None, progress: ProgressOptions = ProgressOptions()) -> None:
     """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
@@ -247,6 +261,8 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
     continues from its data position, and the step numbering with it). ``weights`` loads pretrained
     weights (`shardlang.weights`). The last line is the peak memory per rank (`shardlang.runtime.peak_memory`).
     """
+    steps, seed, trace, eval_every, max_nonfinite = (flags.steps, flags.seed, flags.trace, flags.eval_every,
+                                                     flags.max_nonfinite)
     say = _printer(ctx)
     backend = ctx.backend.value if ctx.backend else "no process group"
     say(f"shardlang run {shown(job.path)}: {ctx.world_size} rank{'s' if ctx.world_size > 1 else ''} "
@@ -276,6 +292,7 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
     reporter = RunReporter(ctx, steps, progress, first=first)  # how steps are reported (shardlang.progress)
     training = time.perf_counter()
     traced_from = max(first + 1, steps - TRACED_STEPS) if trace else steps
+    nonfinite_steps = 0
     tracing = contextlib.ExitStack()
     run_step = step
     for k in range(first, steps):
@@ -291,8 +308,17 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
         elapsed = time.perf_counter() - begin
         reporter.step(k + 1, loss, elapsed, batch, note="(profiled)" if run_step is not step else "")
         nonfinite = step.nonfinite_report(loss)
-        if nonfinite is not None:
-            reporter.warn(f"step {k + 1}: {nonfinite}")
+        if _on_any_rank(nonfinite is not None, ctx):  # every rank decides alike (its loss is its own)
+            nonfinite_steps += 1
+            reporter.warn(f"step {k + 1}: {nonfinite or 'not finite on another rank'}")
+            limit = _nonfinite_limit(max_nonfinite, step)
+            if limit is not None and nonfinite_steps >= limit:
+                reporter.close()
+                raise NonFiniteError(
+                    f"step {k + 1}: the loss or gradient norm was not finite on {nonfinite_steps} step"
+                    f"{'s' if nonfinite_steps > 1 else ''} (--max-nonfinite {limit}); training stopped before "
+                    "saving this step's state. Lower the learning rate, check the data, or skip such updates "
+                    "with Options(skip_nonfinite=True)", step=k + 1, count=nonfinite_steps)
         if periodic is not None:
             saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
             if saved is not None:  # above the bar, if there is one
@@ -312,6 +338,22 @@ def _train(ctx: DistContext, job: Job, steps: int, seed: int, trace: str | None 
     say(step.schedule.table(max_rows=TABLE_ROWS))
     init_bytes, training_bytes = _max_over_ranks(peak.values(), ctx)
     say(f"peak memory per rank: init {init_bytes / MIB:.0f} MiB, training {training_bytes / MIB:.0f} MiB")
+
+
+def _nonfinite_limit(max_nonfinite: int | None, step) -> int | None:
+    """Non-finite steps a run may take: 1 by default; none by default when such updates are skipped."""
+    if max_nonfinite is not None:
+        return max_nonfinite
+    return None if step.compiled.context.training.skip_nonfinite else 1
+
+
+def _on_any_rank(flag: bool, ctx: DistContext) -> bool:
+    """``flag`` or'ed over the ranks (one small all-reduce)."""
+    if not ctx.has_process_group:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _max_over_ranks(values: tuple[int, int], ctx: DistContext) -> tuple[int, int]:
