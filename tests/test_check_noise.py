@@ -111,3 +111,66 @@ def test_check_passes_on_varying_shapes_and_a_partial_batch(capsys):
     out = capsys.readouterr().out
     rows = re.findall(r"^([14])\s+(\S+)\s+\S+\s+(PASS|FAIL)\s+\S+$", out, re.MULTILINE)
     assert [(w, v) for w, _, v in rows] == [("1", "PASS"), ("4", "PASS")], out
+
+
+# ---- the reference's own noise floor (Note [noise floor] in shardlang/cli/check.py) ------------------------------
+
+
+def test_a_difference_passes_within_the_tolerance_or_a_small_multiple_of_a_noise_floor():
+    limit = 1e-9
+    assert check.verdict(5e-10, 0.0, limit)  # the fixed tolerance alone
+    assert check.verdict(3e-9, 1e-9, limit)  # 3x a floor of rounding noise
+    assert not check.verdict(3e-8, 1e-9, limit)  # 30x: more than the order of additions explains
+    assert not check.verdict(float("nan"), 1e-9, limit)
+    # A floor far above the tolerance is not rounding (the loss depends on the rows' order): not used.
+    assert not check.floor_is_noise(1e-3, limit) and not check.verdict(2e-3, 1e-3, limit)
+
+
+def test_reordering_reverses_the_rows_of_every_leaf():
+    x, y = torch.arange(6.0).reshape(3, 2), torch.tensor([0, 1, 2])
+    rx, ry = check.reordered((x, y))
+    assert torch.equal(rx, x.flip(0)) and torch.equal(ry, y.flip(0))
+
+
+def test_check_reports_each_world_size_in_units_of_the_floor(capsys):
+    assert main(["check", GPT, "--world-sizes", "1", "--steps", "2", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    floor = float(re.search(r"^noise floor: (\S+) \(the reference again", out, re.MULTILINE).group(1))
+    diff = float(re.search(r"^1\s+(\S+)\s+\S+\s+PASS", out, re.MULTILINE).group(1))
+    assert 0 < floor < 1e-9  # AdamW's rounding noise on this GPT: of the order of the sharded difference
+    multiple = float(re.search(r"in units of the noise floor: world 1: (\S+)x", out).group(1))
+    assert multiple == pytest.approx(diff / floor, rel=1e-2)
+
+
+ORDER_DEPENDENT = '''\
+import torch
+from torch import nn
+import shardlang as sl
+
+
+def build_model():
+    return nn.Linear(4, 2)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    weights = torch.arange(1, x.shape[0] + 1, dtype=x.dtype)  # row i counts i+1 times: the order matters
+    return (weights[:, None] * (model(x) - y) ** 2).mean()
+
+
+def make_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64)
+
+
+dtype = torch.float64
+optimizer = sl.SGD(lr=0.1)
+'''
+
+
+def test_a_loss_that_depends_on_the_rows_order_gets_no_floor_allowance(tmp_path, capsys):
+    job = tmp_path / "order.py"
+    job.write_text(ORDER_DEPENDENT)
+    assert main(["check", str(job), "--world-sizes", "1", "--steps", "2"]) == 0  # one rank: same rows, same order
+    out = capsys.readouterr().out
+    assert "above the ceiling: the loss depends on the rows' order" in out and "not used here" in out

@@ -155,6 +155,7 @@ def test_check_passes_against_torch_optim(path, dtype, tolerance):
 def test_check_fails_with_exit_1_beyond_the_tolerance(monkeypatch, capsys):
     # float32 rounding alone exceeds a zero tolerance: the FAIL path, in-process at world size 1.
     monkeypatch.setitem(cli.TOLERANCES, (torch.float32, False), 0.0)
+    monkeypatch.setattr(cli.check, "FLOOR_MULTIPLE", 0.0)  # and no allowance for the reference's own noise
     assert main(["check", str(ROOT / MLP), "--world-sizes", "1", "--steps", "1", "--dtype", "float32"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"^1\s+\S+\s+\S+\s+FAIL\s+\S+$", out, re.MULTILINE) and "FAIL: world size 1" in out
