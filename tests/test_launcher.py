@@ -248,6 +248,13 @@ def test_every_listening_socket_is_on_loopback():
     assert set(listening_addresses()) <= before  # the pool's store stopped listening with the pool
 
 
+def test_a_pool_of_one_rank_has_no_process_group():
+    # Note [world size 1]: the launcher's rank of a world of one runs without a process group, as in-process.
+    with WorkerPool(1) as pool:
+        rank, world, backend, _tag, _threads, initialised = pool.run(describe, "one")[0]
+    assert (rank, world, backend, initialised) == (0, 1, None, False)
+
+
 def test_bad_arguments_name_the_value():
     with pytest.raises(ShardlangRuntimeError, match="nproc=0"):
         WorkerPool(0)

@@ -248,6 +248,8 @@ def init_with_store(rank: int, world_size: int, store: dist.Store, *, timeout_s:
     """
     _check_rank(rank, world_size)
     check_timeout(timeout_s, "timeout_s")
+    if world_size == 1:  # Note [world size 1]: no process group
+        return DistContext(0, 1, 0, None, torch.device("cpu"), timeout_s)
     dist.init_process_group(backend=Backend.GLOO.value, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(rank, world_size, rank, Backend.GLOO, torch.device("cpu"), timeout_s)
