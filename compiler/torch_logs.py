@@ -60,7 +60,8 @@ class KeptLogs(logging.Filter):
         if verbose() or not _from_torch(record):
             return True
         if self.keep_all or _no_action(record):
-            self.records.append(record)
+            if not any(kept is record for kept in self.records[-1:]):  # one record meets every handler in turn
+                self.records.append(record)
             return False
         return True
 

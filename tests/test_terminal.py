@@ -151,3 +151,58 @@ def test_torchrun_shows_rank_0s_bar_live():
     done_at = screen.first(rf"trained {steps} steps")
     assert len({n for at, n in updates if at < done_at - 0.3 and 0 < n < steps}) >= 2, (updates, done_at)
     assert updates[-1][1] == steps
+
+
+@pytest.fixture
+def torch_log_stream():
+    """A stream that torch's log records reach (a handler on 'torch' and on the loggers torch gives handlers of
+    their own, which do not propagate), removed afterwards."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    loggers = [logging.getLogger(name) for name in ("torch", "torch._subclasses.fake_tensor")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield stream
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def _taken(stream) -> str:
+    text = stream.getvalue()
+    stream.seek(0)
+    stream.truncate()
+    return text
+
+
+def test_no_action_warnings_are_dropped_unless_verbose(monkeypatch, torch_log_stream):
+    import logging
+
+    from shardlang.compiler import torch_logs
+
+    monkeypatch.delenv(torch_logs.VERBOSE_ENV, raising=False)
+    torch_logs.drop_no_action_warnings()
+    log = logging.getLogger("torch.utils.cpp_extension")
+    log.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'")
+    log.warning("a warning that may carry an action")
+    text = _taken(torch_log_stream)
+    assert "No CUDA runtime" not in text and "a warning that may carry an action" in text
+    monkeypatch.setenv(torch_logs.VERBOSE_ENV, "1")
+    log.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'")
+    assert "No CUDA runtime" in _taken(torch_log_stream)
+
+
+def test_torch_records_are_kept_back_while_tracing(monkeypatch, torch_log_stream):
+    import logging
+
+    from shardlang.compiler import torch_logs
+
+    monkeypatch.delenv(torch_logs.VERBOSE_ENV, raising=False)
+    with torch_logs.captured_torch_logs() as kept:
+        logging.getLogger("torch._subclasses.fake_tensor").error("failed while attempting to run meta")
+    assert [r.getMessage() for r in kept.records] == ["failed while attempting to run meta"]
+    assert "failed while attempting" not in _taken(torch_log_stream)
+    logging.getLogger("torch._subclasses.fake_tensor").error("after the block")  # prints again
+    assert "after the block" in _taken(torch_log_stream)
