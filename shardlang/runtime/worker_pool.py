@@ -34,6 +34,7 @@ import atexit
 import contextlib
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -378,7 +379,17 @@ def _poll(worker: _Worker) -> tuple | RankFailure | None:
         if alive:
             return None
     worker.process.join(1.0)
-    return RankFailure(worker.rank, FailureKind.DIED, f"with exit code {worker.process.exitcode}")
+    return RankFailure(worker.rank, FailureKind.DIED, _exit_detail(worker.process.exitcode))
+
+
+def _exit_detail(code: int | None) -> str:
+    """How a process ended, as a user reads it: ``of SIGKILL (signal 9)`` or ``with exit code 3``."""
+    if code is not None and code < 0:
+        try:
+            return f"of {signal.Signals(-code).name} (signal {-code})"
+        except ValueError:
+            return f"of signal {-code}"
+    return f"with exit code {code}"
 
 
 def _seconds_left(deadline: float | None) -> float | None:
