@@ -174,3 +174,32 @@ def test_a_loss_that_depends_on_the_rows_order_gets_no_floor_allowance(tmp_path,
     assert main(["check", str(job), "--world-sizes", "1", "--steps", "2"]) == 0  # one rank: same rows, same order
     out = capsys.readouterr().out
     assert "above the ceiling: the loss depends on the rows' order" in out and "not used here" in out
+
+
+COMPILED_LLAMA = f'''\
+import sys
+import torch
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import shardlang as sl
+from llama import build_model, loss_fn, make_batch
+
+spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), rules=[("*", sl.shard("fsdp"))], options=sl.Options(backend="inductor"))
+optimizer = sl.AdamW(lr=3e-3, weight_decay=0.1)
+dtype = torch.float64
+'''
+
+
+def test_a_compiled_step_is_checked_against_the_reference_compiled_the_same_way(tmp_path, monkeypatch, capsys):
+    """Note [compiled reference]: inductor reassociates, so against eager the compiled Llama differs by ~5e-6 at
+    N = 1 (as plain torch.compile does); against the one-process model compiled the same way, by rounding."""
+    job = tmp_path / "llama_inductor.py"
+    job.write_text(COMPILED_LLAMA)
+    assert main(["check", str(job), "--world-sizes", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "reference: 1 process, torch.compile (inductor), torch.optim.AdamW" in out
+    diff = float(re.search(r"^1\s+(\S+)\s+\S+\s+PASS", out, re.MULTILINE).group(1))
+    assert diff < 1e-12
+    monkeypatch.setattr(check, "compiled", lambda _job: False)  # the eager reference, as before
+    assert main(["check", str(job), "--world-sizes", "1", "--steps", "2"]) == 1
+    eager_diff = float(re.search(r"^1\s+(\S+)\s+\S+\s+FAIL", capsys.readouterr().out, re.MULTILINE).group(1))
+    assert eager_diff > 1e-7

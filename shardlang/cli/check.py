@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .. import api
 from ..compare import Movement, relative_difference, scaled_difference
+from ..compiler.backend import StepBackend
 from ..compiler.optim import Adam
 from ..errors import SpecError
 from ..job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
@@ -178,7 +179,8 @@ def main(args) -> int:
     print("  (per parameter max|sharded - reference| / max(max|initial|, max|reference|, total movement), "
           "the max over parameters; docs/cli.md)")
     ref_losses, ref_params, ref_optimizer, movement = _train_reference(job, reference, batches)
-    print(f"reference: 1 process, torch.optim.{ref_optimizer}, final loss {ref_losses[-1]:.6f}, "
+    print(f"reference: 1 process, {'torch.compile (inductor), ' if compiled(job) else ''}torch.optim.{ref_optimizer}, "
+          f"final loss {ref_losses[-1]:.6f}, "
           f"total movement {movement.total:.3e}")
     _, floor_params, _, _ = _train_reference(job, build_reference(job, args.seed, dtype, weights),
                                              [reordered(b) for b in batches])
@@ -242,6 +244,9 @@ def _train_reference(job: Job, model: torch.nn.Module, batches: list):
     movement is what Note [scale of a parameter] measures against.
     """
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # Note [compiled reference]: a step compiled by inductor is compared with the one-process model compiled the
+    # same way, so that the check measures shardlang's error, not inductor's reassociation against eager.
+    forward = torch.compile(model) if compiled(job) else model
     optimizer = reference_optimizer(job.optimizer, torch_param_groups(trainable, job.spec.param_groups))
     clip = job.spec.options.clip_grad_norm
     scheduler = job.lr_schedule(optimizer) if job.lr_schedule is not None else None
@@ -251,7 +256,7 @@ def _train_reference(job: Job, model: torch.nn.Module, batches: list):
         torch.manual_seed(job.spec.options.seed)  # what every rank's generator starts from under random="global"
         for batch in batches:
             optimizer.zero_grad()
-            loss = job.loss_fn(model, batch)
+            loss = job.loss_fn(forward, batch)
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_([p for _, p in trainable], clip)
@@ -262,6 +267,11 @@ def _train_reference(job: Job, model: torch.nn.Module, batches: list):
             losses.append(float(loss.detach()))
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, params, type(optimizer).__name__, movement
+
+
+def compiled(job: Job) -> bool:
+    """Whether the job's step runs under inductor (`Options(backend="inductor")`)."""
+    return job.spec.options.backend is StepBackend.INDUCTOR
 
 
 def max_relative_difference(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
