@@ -203,3 +203,14 @@ def test_a_compiled_step_is_checked_against_the_reference_compiled_the_same_way(
     assert main(["check", str(job), "--world-sizes", "1", "--steps", "2"]) == 1
     eager_diff = float(re.search(r"^1\s+(\S+)\s+\S+\s+FAIL", capsys.readouterr().out, re.MULTILINE).group(1))
     assert eager_diff > 1e-7
+
+
+def test_resnet18_with_adamw_passes_at_1_2_4_ranks(capsys):
+    """examples/resnet.py: AdamW's amplified noise on ResNet-18 is of the order of the floor at every world size."""
+    assert main(["check", str(ROOT / "examples" / "resnet.py"), "--world-sizes", "1,2,4", "--steps", "3",
+                 "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^([124])\s+(\S+)\s+\S+\s+(PASS|FAIL)\s+\S+$", out, re.MULTILINE)
+    assert [(w, v) for w, _, v in rows] == [("1", "PASS"), ("2", "PASS"), ("4", "PASS")], out
+    floor = float(re.search(r"^noise floor: (\S+)", out, re.MULTILINE).group(1))
+    assert all(float(d) <= 10 * floor for _, d, _ in rows), out  # sharding adds no more than summation order

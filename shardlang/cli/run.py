@@ -13,6 +13,9 @@ With ``--checkpoint-dir D``, the run saves ``D/step-<k>`` every
 ``--checkpoint-every`` steps and after the last (``--keep N`` newest kept,
 ``--async-save`` in the background); ``--resume`` first loads the latest
 complete checkpoint in D and goes on from there to ``--steps`` (docs/checkpoints.md).
+A fresh run refuses a D that holds checkpoints unless ``--overwrite`` says to
+replace them. A step whose loss or gradient norm is not finite stops the run
+(exit 1, `NonFiniteError`) before it is saved, unless ``--max-nonfinite`` allows more.
 ``--timeout`` bounds each collective's wait for late peers; the error then names
 the late rank and the schedule op (Note [collective timeout] in
 `shardlang.runtime.watch`).
