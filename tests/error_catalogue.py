@@ -41,6 +41,10 @@ class CommandLineError(Exception):
     """What ``shardlang ...`` printed on stderr when it exited with code 2 (bad input)."""
 
 
+class TrainingStopped(Exception):
+    """What ``shardlang run ...`` printed on stderr when training stopped with exit code 1."""
+
+
 @dataclass(frozen=True)
 class BadInput:
     id: str
@@ -217,6 +221,26 @@ def cli(*argv: str) -> None:
     if code == 2:
         raise CommandLineError(err.getvalue())
     raise AssertionError(f"shardlang {' '.join(argv)} exited {code}, not 2: {err.getvalue()}")
+
+
+def cli_stopped(*argv: str) -> None:
+    """``shardlang *argv`` in this process; raises `TrainingStopped` with its stderr when it exits with 1."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli_main(list(argv))
+    if code == 1:
+        raise TrainingStopped(err.getvalue())
+    raise AssertionError(f"shardlang {' '.join(argv)} exited {code}, not 1: {err.getvalue()}")
+
+
+NAN_AT_STEP_2 = """
+def make_batch(step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    if step == 1:
+        x[0, 0] = float("nan")
+    return x, y
+"""
 
 
 ITEM_MODEL = '''
@@ -468,6 +492,9 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("cli-resume-and-overwrite", "CLI", "shardlang run JOB --checkpoint-dir D --resume --overwrite",
              lambda tmp: cli("run", job(tmp), "--checkpoint-dir", str(tmp / "D"), "--resume", "--overwrite"), C,
              ("--resume", "--overwrite", "exclude each other")),
+    BadInput("cli-run-nonfinite-loss", "CLI", "`shardlang run JOB --steps 4`, the batch of step 2 holding a nan",
+             lambda tmp: cli_stopped("run", job(tmp, NAN_AT_STEP_2), "--steps", "4"), TrainingStopped,
+             ("step 2", "not finite", "--max-nonfinite 1", "skip_nonfinite=True")),
     BadInput("cli-diff-not-a-plan", "CLI", "`shardlang diff other.json JOB`, other.json not a plan",
              lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
              ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
