@@ -28,7 +28,7 @@ it (they are not part of shardlang, and they read its private graph):
   so its gradient shard dies there instead of living to the end of the step.
 (Two earlier what-ifs, each gloo reduce-scatter as an all-to-all plus a local sum
 and no division by one at N = 1, are now what the compiler does: Note
-[reduce-scatter as all-to-all] in `compiler/emit.py`, `passes/reduce_gradients.py`.)
+[reduce-scatter as all-to-all] in `compiler/lower/emit.py`, `passes/reduce_gradients.py`.)
 
 Check that a rewrite keeps the numbers: the loss it prints must equal the one
 without it.

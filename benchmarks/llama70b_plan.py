@@ -28,7 +28,7 @@ import attrs
 
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.schedule_format import human_bytes
+from shardlang.compiler.schedule.schedule_format import human_bytes
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,9 +1,9 @@
 """The compiler's front door: model + placements -> compiled graph and schedule.
 
-    trace (compiler.trace) -> annotate (compiler.flat) -> passes (compiler.pipeline)
-      -> schedule (compiler.schedule, checked by compiler.verify)
+    trace (compiler.ir.trace) -> annotate (compiler.layout.flat) -> passes (compiler.passes.pipeline)
+      -> schedule (compiler.schedule.schedule, checked by compiler.schedule.verify)
 
-Binding to process groups (`compiler.emit`) is left to the caller, so the same
+Binding to process groups (`compiler.lower.emit`) is left to the caller, so the same
 `CompiledStep` serves planning (no processes) and running.
 """
 
@@ -19,20 +19,20 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .backend import StepBackend
-from .bucket import bucket_flat_params
-from .context import CompileContext
-from .flat import FlatParam, build_flat_params
-from .lazy_code import graph_module
-from .pipeline import DEFAULT_PASSES, run_passes
-from .placement import MeshShape, ParamInfo, Recompute, Strategy
-from .schedule import Schedule, read_schedule
-from .shapes import remember_shapes, shape_memo
-from .replicate import trace_step_replicated
-from .trace import TensorShape, TracedStep, trace_step
-from .optim import GroupedOptimizer
-from .training import Training, split_by_group
-from .verify import verify
+from .lower.backend import StepBackend
+from .layout.bucket import bucket_flat_params
+from .passes.context import CompileContext
+from .layout.flat import FlatParam, build_flat_params
+from .ir.lazy_code import graph_module
+from .passes.pipeline import DEFAULT_PASSES, run_passes
+from .layout.placement import MeshShape, ParamInfo, Recompute, Strategy
+from .schedule.schedule import Schedule, read_schedule
+from .ir.shapes import remember_shapes, shape_memo
+from .ir.replicate import trace_step_replicated
+from .ir.trace import TensorShape, TracedStep, trace_step
+from .layout.optim import GroupedOptimizer
+from .ir.training import Training, split_by_group
+from .schedule.verify import verify
 
 
 @attrs.frozen
@@ -43,7 +43,7 @@ class CompiledStep:
     context: CompileContext
     schedule: Schedule
     traced: TracedStep
-    budget: object = None  # `compiler.budget.BudgetChoice`, when Options.memory_budget chose the options
+    budget: object = None  # `compiler.analysis.budget.BudgetChoice`, when Options.memory_budget chose the options
 
     @property
     def flats(self) -> tuple[FlatParam, ...]:
@@ -51,18 +51,18 @@ class CompiledStep:
 
     @functools.cached_property
     def memory(self):
-        """The static memory plan (`compiler.memory.MemoryPlan`) with the default collective scratch.
+        """The static memory plan (`compiler.analysis.memory.MemoryPlan`) with the default collective scratch.
 
         Planned on first access and kept: the graph and schedule it reads do not change after compile.
         """
-        from .memory import plan_memory
+        from .analysis.memory import plan_memory
 
         return plan_memory(self.graph_module, self.schedule, self.context.inputs)
 
     @property
     def timeline(self):
-        """The predicted timeline (`compiler.cost.Timeline`) under the default `CostModel` (gloo, CPU)."""
-        from .cost import CostModel
+        """The predicted timeline (`compiler.analysis.cost.Timeline`) under the default `CostModel` (gloo, CPU)."""
+        from .analysis.cost import CostModel
 
         return CostModel(fused=self.context.backend is StepBackend.INDUCTOR).predict(self.schedule, self.graph_module)
 
@@ -116,9 +116,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamI
     ``check_each_pass`` the schedule verifier also runs after every pass
     (structural checks only; the final schedule is always verified).
     ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`);
-    ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.bucket`).
+    ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.layout.bucket`).
     ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
-    ``backend`` says what will run the graph (`compiler.backend`): the graph is the same, the cost model's
+    ``backend`` says what will run the graph (`compiler.lower.backend`): the graph is the same, the cost model's
     prediction is not (fused compute).
     ``keep_reduction_buffers`` keeps replicated gradients' all-reduce buffers between steps
     (Note [kept reduction buffers] in `passes.keep_reduction_buffers`).
@@ -161,7 +161,7 @@ def _is_fake(model: torch.nn.Module) -> bool:
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph: new nodes, each with a shallow copy of its meta.
 
-    Its code is written when first read or run (Note [lazy code] in `compiler.lazy_code`).
+    Its code is written when first read or run (Note [lazy code] in `compiler.ir.lazy_code`).
 
     Passes replace meta entries rather than mutate them, so the copy can be
     compiled while ``gm`` stays as it was.
@@ -189,7 +189,7 @@ def step_flats(params: tuple[ParamInfo, ...], mesh: MeshShape, *, reshard_after_
 
 def structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:
     """After each pass: the graph is well formed and its gathers are waited for and freed."""
-    from .verify import _check_gather_lifetimes, _check_waits
+    from .schedule.verify import _check_gather_lifetimes, _check_waits
 
     gm.graph.lint()
     schedule = read_schedule(gm, ctx)

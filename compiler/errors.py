@@ -27,7 +27,7 @@ class TraceError(ShardlangError):
     """The training step could not be traced into one graph.
 
     ``site`` is the user's line and module where it failed (a
-    `compiler.provenance.UserSite`), when known. Example:
+    `compiler.ir.provenance.UserSite`), when known. Example:
     ``TraceError("tracing the training step failed at model.py:42 in forward, module 'blocks.0' ...")``.
     """
 
@@ -52,7 +52,7 @@ class CompileError(ShardlangError):
 
 
 class ScheduleError(CompileError):
-    """The schedule verifier found a broken invariant (see `compiler.verify`)."""
+    """The schedule verifier found a broken invariant (see `compiler.schedule.verify`)."""
 
 
 class ShardlangRuntimeError(ShardlangError, RuntimeError):

@@ -2,7 +2,7 @@
 
 Note [evaluation graph]: evaluation runs ``fn(model, batch)`` (the loss, or
 anything else of the model and a batch) with the model in eval mode and no
-gradients. It is traced by `compiler.trace.trace_forward` over the SAME flat
+gradients. It is traced by `compiler.ir.trace.trace_forward` over the SAME flat
 parameters as the training step it belongs to, so the rank's `TrainState`
 (shardlang.state, Note [one state, many graphs]) feeds it unchanged: its
 inputs are the state's parameter storage (FLAT) and buffers (BUFFER), then the
@@ -14,7 +14,7 @@ Only the passes that place parameters run (`EVAL_PASSES`): each sharded unit
 is gathered before its first use and freed after its last, as in the
 training forward, and gathers are prefetched as deep as the training step's.
 Nothing is re-gathered (there is no backward), nothing is reduced, and the
-BatchNorm statistics need no all-reduce in eval mode. `compiler.verify` checks
+BatchNorm statistics need no all-reduce in eval mode. `compiler.schedule.verify` checks
 exactly that on a schedule marked ``options["evaluate"]``.
 
 Example::
@@ -31,17 +31,17 @@ from collections.abc import Callable
 import torch
 
 from .compile import CompiledStep, structural_check
-from .context import CompileContext
-from .flat import FlatParam
+from .passes.context import CompileContext
+from .layout.flat import FlatParam
 from .passes.gather_parameters import gather_parameters
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reshard_after_forward import reshard_after_forward
-from .pipeline import run_passes
-from .placement import MeshShape
-from .schedule import read_schedule
-from .shapes import propagate_shapes, remember_shapes
-from .trace import trace_forward
-from .verify import verify
+from .passes.pipeline import run_passes
+from .layout.placement import MeshShape
+from .schedule.schedule import read_schedule
+from .ir.shapes import propagate_shapes, remember_shapes
+from .ir.trace import trace_forward
+from .schedule.verify import verify
 
 EVAL_PASSES = (gather_parameters, reshard_after_forward, prefetch_gathers, propagate_shapes)
 

@@ -16,10 +16,10 @@ Example::
 
 from .api import compile, plan
 from .batch import split_batch
-from .compiler.backend import StepBackend
-from .compiler.optim import SGD, Adam, AdamW
-from .compiler.schedule import OpKind, Schedule
-from .compiler.verify import verify
+from .compiler.lower.backend import StepBackend
+from .compiler.layout.optim import SGD, Adam, AdamW
+from .compiler.schedule.schedule import OpKind, Schedule
+from .compiler.schedule.verify import verify
 from .errors import (
     CheckpointError,
     CompileError,

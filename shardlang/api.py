@@ -13,14 +13,14 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .compiler.budget import fit_budget
+from .compiler.analysis.budget import fit_budget
 from .compiler.compile import CompiledStep, collection_paused, compile_step, step_flats
 from .compiler.evaluate import compile_eval
 from .batch import check_example_batch
-from .compiler.placement import Recompute
-from .compiler.schedule_format import human_bytes
-from .compiler.optim import AdamW
-from .compiler.trace import TensorShape, tied_parameters
+from .compiler.layout.placement import Recompute
+from .compiler.schedule.schedule_format import human_bytes
+from .compiler.layout.optim import AdamW
+from .compiler.ir.trace import TensorShape, tied_parameters
 from .errors import ShardlangRuntimeError, SpecError
 from .materialize import Init, has_meta, materialize
 from .ownership import check_not_handed_over, release
@@ -184,7 +184,7 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
 
 
 def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:
-    """Options.memory_budget: recompute per unit and prefetch depth chosen by `compiler.budget.fit_budget`.
+    """Options.memory_budget: recompute per unit and prefetch depth chosen by `compiler.analysis.budget.fit_budget`.
 
     Units the spec gives a recompute policy other than "none" keep it; the
     search chooses for the others (the root unit only when it is the only one).

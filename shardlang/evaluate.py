@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from .batch import batch_leaves
 from .compiler.compile import CompiledStep
 from .compiler.evaluate import compile_eval
-from .compiler.schedule import Schedule
+from .compiler.schedule.schedule import Schedule
 from .errors import ShardlangRuntimeError
 from .runtime.dist import DistContext
 from .state import TrainState

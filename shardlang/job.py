@@ -42,7 +42,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from .compiler.optim import SGD, Adam, AdamW
+from .compiler.layout.optim import SGD, Adam, AdamW
 from .errors import ShardlangError, SpecError
 from .materialize import Init, has_meta, materialize_module
 from .mesh import Mesh

@@ -13,7 +13,7 @@ On a 2-D mesh such as ``Mesh(replicate=2, fsdp=4)``, ``shard('fsdp')`` shards ov
 ``fsdp`` and replicates over every other axis (hybrid sharding).
 
 A layout is a value; `Shard.to_placement` turns it into the compiler's
-`compiler.placement.Placement` once the parameter's shape is known.
+`compiler.layout.placement.Placement` once the parameter's shape is known.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import LayoutKind, Placement
+from shardlang.compiler.layout.placement import LayoutKind, Placement
 
 __all__ = ["Layout", "Replicate", "Shard", "layout_from_dict", "replicate", "shard"]
 

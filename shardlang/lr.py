@@ -1,7 +1,7 @@
 """Learning-rate schedules: any ``torch.optim.lr_scheduler`` drives the step's lr inputs, with no retracing.
 
 Every parameter group's learning rate is a 0-d input of the compiled graph
-(`compiler.optim.hyper_name`: ``lr``, ``lr/group1``, ...). A schedule is given
+(`compiler.layout.optim.hyper_name`: ``lr``, ``lr/group1``, ...). A schedule is given
 as a *factory*: a function that takes a ``torch.optim.Optimizer`` and returns an
 ``LRScheduler`` on it, exactly what one writes for ``torch.optim``::
 

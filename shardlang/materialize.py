@@ -18,7 +18,7 @@ without ever holding the whole model:
    was set by neither: a `SpecError` names it.
 3. This rank's pieces of the unit's flat parameters (or its slice of a
    whole flat, Note [whole-flat shards]) are cut from those values
-   (`compiler.flat.member_piece`), or read from the weights files
+   (`compiler.layout.flat.member_piece`), or read from the weights files
    (Note [reading shards]); the unit's buffers are kept whole; the modules'
    tensors go back to meta.
 
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .compiler.compile import CompiledStep
-from .compiler.flat import FlatParam, member_piece, slice_spans
+from .compiler.layout.flat import FlatParam, member_piece, slice_spans
 from .errors import SpecError
 from .state import TrainState, optimizer_slice, shard_coordinate
 from .units import ROOT_UNIT, unit_label, unit_of

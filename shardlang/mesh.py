@@ -9,7 +9,7 @@ fsdp=-1)`` any even one. ``bind(world_size)`` fills it in.
 
 A mesh is abstract (JAX's ``AbstractMesh``): names and sizes only, no process
 groups. The runtime binds process groups when a step runs; the compiler sees
-only ``mesh.bind(world_size).shape``, a `compiler.placement.MeshShape`.
+only ``mesh.bind(world_size).shape``, a `compiler.layout.placement.MeshShape`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 import attrs
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import MeshShape
+from shardlang.compiler.layout.placement import MeshShape
 
 __all__ = ["REST", "Mesh", "check_world_size"]
 

@@ -7,7 +7,7 @@ imported only when a picture is drawn, and a missing matplotlib is a
 Example::
 
     from shardlang.plot import plot_memory, plot_trace
-    plot_memory(plan, "memory.png")            # plan: compiler.plan_report.Plan
+    plot_memory(plan, "memory.png")            # plan: compiler.analysis.plan_report.Plan
     plot_trace("plan_trace.json", "trace.png")  # a trace from `shardlang plan --chrome-trace`
 """
 
@@ -17,8 +17,8 @@ import json
 import os
 import re
 
-from .compiler.memory import Category
-from .compiler.schedule import OpKind
+from .compiler.analysis.memory import Category
+from .compiler.schedule.schedule import OpKind
 from .errors import ShardlangError
 
 INSTALL_HINT = "pip install 'shardlang[plot]'"

@@ -3,7 +3,7 @@
 `instrument` copies a step's bound graph and wraps the nodes of every schedule
 op in a ``torch.profiler.record_function`` range named ``"<op index> <kind>
 <unit>"``, the name the predicted timeline gives the same op
-(`compiler.cost.op_name`). In the trace, compute segments and optimizer
+(`compiler.analysis.cost.op_name`). In the trace, compute segments and optimizer
 updates show as ranges on the main thread with the aten ops inside them; a
 collective's range is its issue, a wait's range is the time the main thread
 blocked on it, and gloo's own ``gloo:*`` ranges on its threads are the
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from .compiler.cost import op_name
-from .compiler.schedule import Schedule
+from .compiler.analysis.cost import op_name
+from .compiler.schedule.schedule import Schedule
 
 
 def _enter(name: str):

@@ -1,4 +1,4 @@
-"""The generator a step draws its random numbers from (`compiler.rng`, docs/training.md).
+"""The generator a step draws its random numbers from (`compiler.ir.rng`, docs/training.md).
 
 A compiled step's random ops (dropout's ``bernoulli_``) read the default
 generator of their device. `StepRandom` keeps the step's own generator state
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .compiler.rng import has_random_ops
-from .compiler.training import RandomScheme, per_rank_seed
+from .compiler.ir.rng import has_random_ops
+from .compiler.ir.training import RandomScheme, per_rank_seed
 
 
 class StepRandom:

@@ -28,7 +28,7 @@ from fnmatch import fnmatchcase
 import attrs
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import Recompute
+from shardlang.compiler.layout.placement import Recompute
 
 __all__ = ["Recompute", "RecomputeRule", "recompute_rule_from_dict", "to_policy", "to_recompute"]
 

@@ -28,11 +28,11 @@ import attrs
 from torch import nn
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import MeshShape, ParamInfo, Placement, Recompute, Strategy
+from shardlang.compiler.layout.placement import MeshShape, ParamInfo, Placement, Recompute, Strategy
 from shardlang.layout import Layout, Replicate, Shard, shard
 from shardlang.mesh import Mesh, check_world_size
 from shardlang.precision import MixedPrecision
-from shardlang.compiler.backend import StepBackend
+from shardlang.compiler.lower.backend import StepBackend
 from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang import training
 from shardlang.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
@@ -123,7 +123,7 @@ class Options:
       GradScaler skips ``optimizer.step()`` (docs/training.md).
     - ``backend``: what runs the compiled graph: ``"eager"`` (the default, node by
       node) or ``"inductor"`` (torch.compile's inductor compiles the whole step,
-      collectives included; `compiler.backend`, docs/spec.md).
+      collectives included; `compiler.lower.backend`, docs/spec.md).
     - ``keep_reduction_buffers``: the full-size all-reduce buffer of each replicated
       gradient (the DDP strategy, ``replicate()`` parameters) is kept between steps
       and refilled, as torch DDP keeps its buckets (True, the default: no fresh

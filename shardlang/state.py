@@ -6,7 +6,7 @@ the whole under ZeRO-1/DDP), the optimizer state of the trainable ones, the
 update count, the hyperparameter inputs (lr) and the module's buffers. Every
 graph a step binds (the training step, and graphs for other batch shapes or
 for evaluation) reads and mutates these same tensors in place, in the order of
-`compiler.trace` (FLAT, STATE, STEP, HYPER, BUFFER). Nothing else keeps a
+`compiler.ir.trace` (FLAT, STATE, STEP, HYPER, BUFFER). Nothing else keeps a
 copy: checkpoints read and write the state here, and the user's module is not
 a second holder: `compile` moves it to meta (Note [the step owns the state] in
 `shardlang.ownership`; docs/architecture.md, "Who holds which bytes").
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 from .compiler.compile import CompiledStep
-from .compiler.flat import FlatParam, shard_of
-from .compiler.optim import hyper_tensors, init_state
+from .compiler.layout.flat import FlatParam, shard_of
+from .compiler.layout.optim import hyper_tensors, init_state
 
 
 def shard_coordinate(compiled: CompiledStep, rank: int) -> Callable[[FlatParam], int]:

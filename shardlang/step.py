@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
-from .compiler import collectives
-from .compiler.backend import StepBackend, compile_graph
+from .compiler.lower import collectives
+from .compiler.lower.backend import StepBackend, compile_graph
 from .compiler.compile import CompiledStep
-from .compiler.emit import WORLD_AXIS, bind, group_keys
-from .compiler.flat import unpack_member
-from .compiler.graph_utils import sl_tag
-from .compiler.optim import hyper_name
-from .compiler.schedule import Schedule
+from .compiler.lower.emit import WORLD_AXIS, bind, group_keys
+from .compiler.layout.flat import unpack_member
+from .compiler.ir.graph_utils import sl_tag
+from .compiler.layout.optim import hyper_name
+from .compiler.schedule.schedule import Schedule
 from .errors import ShardlangRuntimeError, SpecError
 from .evaluate import Evaluation, Evaluations, structure_of
 from .lr import LRSchedule

@@ -32,7 +32,7 @@ from fnmatch import fnmatchcase
 import attrs
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import Strategy
+from shardlang.compiler.layout.placement import Strategy
 
 __all__ = ["DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3", "strategy_rule_from_dict", "to_strategies",
            "to_strategy"]

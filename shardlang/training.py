@@ -29,8 +29,8 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from .compiler.optim import GROUP_KEYS
-from .compiler.training import Accumulation, RandomScheme, Training
+from .compiler.layout.optim import GROUP_KEYS
+from .compiler.ir.training import Accumulation, RandomScheme, Training
 from .errors import SpecError
 
 __all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "torch_param_groups",

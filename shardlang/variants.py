@@ -12,7 +12,7 @@ graphs] in `shardlang.state`).
 Note [same collectives for every shape]: every variant on every rank must issue
 the same collectives in the same order, or ranks holding different shapes in
 the same step would hang. The schedule's collectives do not depend on the
-batch (Note [collectives do not depend on the batch] in `compiler.schedule`),
+batch (Note [collectives do not depend on the batch] in `compiler.schedule.schedule`),
 provided everything that chooses them is fixed: the resolved spec, the
 optimizer, the training features, and the recompute policies and prefetch
 depth (a memory budget's search picks them from the first shape's peak;
@@ -39,7 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .compiler.compile import CompiledStep
-from .compiler.trace import TensorShape
+from .compiler.ir.trace import TensorShape
 from .errors import ShardlangRuntimeError
 
 #: Distinct batch shapes a step compiles before `ShapeWarning` (torch.compile's cache_size_limit is also 8).

@@ -7,7 +7,7 @@ headers; `WeightFiles.match` checks the names and shapes against the model
 before a byte of data is read, and `read_piece` reads the part of one
 parameter a rank holds, through safetensors' lazy ``get_slice``.
 
-Note [reading shards]: `read_piece` returns exactly what `compiler.flat.member_piece`
+Note [reading shards]: `read_piece` returns exactly what `compiler.layout.flat.member_piece`
 cuts from the full tensor (Note [shard layout]), reading only the rows it
 needs: a flat piece is a range of the flattened tensor, read as the few rows of
 dim 0 that cover it; a piece along dim d is a slice on d; a replicated member,
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .compiler.flat import Member
-from .compiler.placement import LayoutKind
+from .compiler.layout.flat import Member
+from .compiler.layout.placement import LayoutKind
 from .errors import SpecError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -188,7 +188,7 @@ class WeightFiles:
     def read_range(self, name: str, info, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of tensor ``name`` flattened, in the dtype of parameter ``info`` (`ParamInfo`).
 
-        A rank's part of a member in a whole flat (Note [whole-flat shards] in `compiler.flat`).
+        A rank's part of a member in a whole flat (Note [whole-flat shards] in `compiler.layout.flat`).
         """
         return self._read_range(name, tuple(info.shape), lo, hi).to(info.dtype)
 

@@ -3,7 +3,7 @@
 `overlap` says, for every collective in the order it is issued, how many
 matmuls run between its issue and its wait: in the bound graph the schedule
 emitted, and in the Python wrapper inductor generated for it. Inductor must not
-shrink any of these (Note [inductor keeps the schedule] in compiler/backend.py).
+shrink any of these (Note [inductor keeps the schedule] in compiler/lower/backend.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler import emit
+from shardlang.compiler.lower import emit
 
 from models import CASES
 from parity import DTYPES, OPTIMIZERS

@@ -7,7 +7,7 @@ made on gloo's threads). The bound graph runs under a `torch.fx.Interpreter`
 that frees values after their last use, as the generated code does, and samples
 right after each node has run, while that node's inputs are still held: the
 moment the static plan calls "during" the node (Note [liveness] in
-`compiler/memory.py`).
+`compiler/analysis/memory.py`).
 
 Bytes are measured relative to a baseline taken just before the graph runs,
 when only its inputs are live; the inputs' own bytes are added back, so a

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from shardlang.compiler.bucket import bucket_flat_params
-from shardlang.compiler.flat import build_flat_params
-from shardlang.compiler.placement import LayoutKind, MeshShape, ParamInfo, Placement
+from shardlang.compiler.layout.bucket import bucket_flat_params
+from shardlang.compiler.layout.flat import build_flat_params
+from shardlang.compiler.layout.placement import LayoutKind, MeshShape, ParamInfo, Placement
 
 MESH = MeshShape((("fsdp", 2),))
 SHARD = Placement(LayoutKind.SHARD_FLAT, "fsdp")

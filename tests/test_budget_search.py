@@ -1,4 +1,4 @@
-"""The memory budget's search (compiler/budget.py) chooses what a linear search over every k chooses.
+"""The memory budget's search (compiler/analysis/budget.py) chooses what a linear search over every k chooses.
 
 The reference below is the search without its shortcuts (the interpolated
 start and Note [policy floor]'s skip): for "selective" and "full" it compiles
@@ -21,9 +21,9 @@ import models
 import shardlang as sl
 import shardlang.api as api
 from shardlang.batch import split_batch
-from shardlang.compiler.budget import fit_budget
-from shardlang.compiler.cost import ComputeModel, CostModel
-from shardlang.compiler.placement import Recompute
+from shardlang.compiler.analysis.budget import fit_budget
+from shardlang.compiler.analysis.cost import ComputeModel, CostModel
+from shardlang.compiler.layout.placement import Recompute
 
 LAYERS = 6
 
@@ -106,7 +106,7 @@ def test_policy_floor_is_below_every_full_configuration(model):
     none = plan(world)
     memory, timeline = none.memory, model.predict(none.schedule, none.graph_module)
     units = [f"layers.{i}" for i in range(LAYERS)]
-    from shardlang.compiler.budget import _policy_floor
+    from shardlang.compiler.analysis.budget import _policy_floor
 
     for k in range(1, LAYERS + 1):
         step = plan(world, recompute=[(u, "full") for u in units[:k]])

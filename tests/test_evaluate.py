@@ -17,8 +17,8 @@ from models import CASES
 from shardlang.batch import split_batch
 from shardlang.cli import main
 from shardlang.job import build, load_job
-from shardlang.compiler.schedule import OpKind, Schedule
-from shardlang.compiler.verify import verify
+from shardlang.compiler.schedule.schedule import OpKind, Schedule
+from shardlang.compiler.schedule.verify import verify
 
 STEPS = 3
 TOLERANCE = 1e-9  # float64: rounding only

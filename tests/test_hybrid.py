@@ -16,9 +16,9 @@ import torch
 
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.formulas import formula_bytes
-from shardlang.compiler.placement import WORLD, MeshShape
-from shardlang.compiler.schedule import OpKind
+from shardlang.compiler.analysis.formulas import formula_bytes
+from shardlang.compiler.layout.placement import WORLD, MeshShape
+from shardlang.compiler.schedule.schedule import OpKind
 
 import parity
 import strategy_workers as w

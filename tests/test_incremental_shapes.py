@@ -1,7 +1,7 @@
 """Planning at scale: incremental shape propagation, lazy GraphModule code, positions by fx sort keys.
 
 The compile pipeline re-derives shapes only where the passes changed the graph
-(Note [incremental shapes] in compiler/shapes.py). Every test here compares it
+(Note [incremental shapes] in compiler/ir/shapes.py). Every test here compares it
 with a full `FakeTensorProp` of the same final graph: the same sizes, strides,
 dtypes and storage sharing, node for node, so memory plans cannot change.
 """
@@ -18,10 +18,10 @@ import torch.fx as fx
 import shardlang as sl
 from shardlang.cli.common import split_for_rank
 from shardlang.compiler.compile import copy_graph_module
-from shardlang.compiler.graph_utils import positions
-from shardlang.compiler.memory import plan_memory
-from shardlang.compiler.replicate import describe_graph
-from shardlang.compiler.shapes import full_propagation
+from shardlang.compiler.ir.graph_utils import positions
+from shardlang.compiler.analysis.memory import plan_memory
+from shardlang.compiler.ir.replicate import describe_graph
+from shardlang.compiler.ir.shapes import full_propagation
 from shardlang.job import build, global_batch, load_job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -92,7 +92,7 @@ def test_compiles_of_one_trace_equal_a_full_propagation_and_their_own_trace(monk
     memory plan equals that of the same options compiled from a trace of their own.
     """
     import shardlang.api as api
-    from shardlang.compiler.placement import Recompute
+    from shardlang.compiler.layout.placement import Recompute
 
     configurations = [({}, 1), ({"blocks.0": Recompute.FULL}, 1), ({"blocks.0": Recompute.FULL}, 2),
                       ({"blocks.0": Recompute.SELECTIVE, "blocks.1": Recompute.FULL}, 1), ({}, 2), ({}, 1)]

@@ -5,7 +5,7 @@ two busy cores, so these tests use the smallest case (``mlp``: three Linear
 layers) and few compiles: one per world size (at N = 2 with one unit per layer,
 so that there is overlap to keep), plus ZeRO-1 (whose all-gather writes into
 its input in place) and float32 at N = 2. Repeated runs
-are faster: inductor's FX graph cache keeps the kernels (`compiler.backend`).
+are faster: inductor's FX graph cache keeps the kernels (`compiler.lower.backend`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import inductor_workers
 import parity
 import shardlang as sl
-from shardlang.compiler.backend import StepBackend
-from shardlang.compiler.cost import CostModel, plan_fusion
+from shardlang.compiler.lower.backend import StepBackend
+from shardlang.compiler.analysis.cost import CostModel, plan_fusion
 from shardlang.errors import SpecError
 
 STEPS = 3
@@ -108,7 +108,7 @@ def test_log_softmax_stays_aten_and_the_table_keeps_the_fx_graph_cache():
     compile_fx pickles (into the FX graph cache's key) as the call that builds it, the same in every process."""
     import pickle
 
-    from shardlang.compiler.backend import decompositions, kept_aten_ops
+    from shardlang.compiler.lower.backend import decompositions, kept_aten_ops
 
     aten = torch.ops.aten
     kept = kept_aten_ops([torch.zeros(2), torch.zeros(())])

@@ -16,10 +16,10 @@ import pytest
 import shardlang as sl
 from shardlang.batch import split_batch
 from shardlang.cli import main
-from shardlang.compiler.cost import op_name
-from shardlang.compiler.plan_diff import diff_plans
-from shardlang.compiler.plan_report import communication_check, make_plan
-from shardlang.compiler.timeline import LANES, chrome_trace
+from shardlang.compiler.analysis.cost import op_name
+from shardlang.compiler.analysis.plan_diff import diff_plans
+from shardlang.compiler.analysis.plan_report import communication_check, make_plan
+from shardlang.compiler.analysis.timeline import LANES, chrome_trace
 from shardlang.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import torch
 
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.memory import PERSISTENT
+from shardlang.compiler.analysis.memory import PERSISTENT
 from shardlang.compiler.passes.keep_reduction_buffers import is_kept
 
 import kept_buffer_workers as w
@@ -124,7 +124,7 @@ def test_the_option_is_checked_and_round_trips(tmp_path):
 
 
 def test_a_budget_too_small_for_kept_buffers_names_the_option():
-    from shardlang.compiler.budget import BudgetError
+    from shardlang.compiler.analysis.budget import BudgetError
 
     with pytest.raises(BudgetError, match=r"keep_reduction_buffers=False\): the all-reduce buffers kept"):
         _plan("gpt_tiny", 2, memory_budget=4096)

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import shardlang as sl
-from shardlang.compiler.flat import Member, member_piece
-from shardlang.compiler.placement import LayoutKind, ParamInfo, Placement
+from shardlang.compiler.layout.flat import Member, member_piece
+from shardlang.compiler.layout.placement import LayoutKind, ParamInfo, Placement
 from shardlang.materialize import Init, materialize_module, module_seed
 from shardlang.ownership import is_released
 from shardlang.weights import WeightFiles

@@ -19,11 +19,11 @@ import shardlang as sl
 from shardlang import api
 from shardlang.batch import split_batch
 from shardlang.compiler.compile import compile_step
-from shardlang.compiler.flat import flatten_gradients, pack_gradients, pack_whole_gradients
-from shardlang.compiler.member_updates import update_members_
-from shardlang.compiler.memory import plan_memory
+from shardlang.compiler.layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
+from shardlang.compiler.layout.member_updates import update_members_
+from shardlang.compiler.analysis.memory import plan_memory
 from shardlang.compiler.passes.elide_local_reductions import elide_local_reductions
-from shardlang.compiler.pipeline import DEFAULT_PASSES
+from shardlang.compiler.passes.pipeline import DEFAULT_PASSES
 
 import parity
 from models import CASES

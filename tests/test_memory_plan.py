@@ -25,8 +25,8 @@ from torch import nn
 import memory_workers
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.memory import NO_SCRATCH, Category, gloo_scratch, plan_memory
-from shardlang.compiler.schedule import OpKind
+from shardlang.compiler.analysis.memory import NO_SCRATCH, Category, gloo_scratch, plan_memory
+from shardlang.compiler.schedule.schedule import OpKind
 from shardlang.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,8 +166,8 @@ def test_views_and_in_place_updates_allocate_nothing():
 def test_a_unit_sharded_flat_is_gathered_as_views_and_one_sharded_along_a_dim_is_copied_out(rule, copies):
     """Note [whole-flat shards]: a gathered member of a whole flat is a view of the gathered buffer, which lives
     until the unit's free; in the pieces layout each member is a copy and the buffer dies after the copies."""
-    from shardlang.compiler.flat import FlatLayout
-    from shardlang.compiler.graph_utils import sl_tag, unpack_copies
+    from shardlang.compiler.layout.flat import FlatLayout
+    from shardlang.compiler.ir.graph_utils import sl_tag, unpack_copies
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4))

@@ -19,8 +19,8 @@ from torch import nn
 
 import shardlang as sl
 from shardlang.compiler.compile import compile_step
-from shardlang.compiler.optim import SGD
-from shardlang.compiler.placement import LayoutKind, MeshShape, ParamInfo, Placement
+from shardlang.compiler.layout.optim import SGD
+from shardlang.compiler.layout.placement import LayoutKind, MeshShape, ParamInfo, Placement
 
 SIZES = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13])
 

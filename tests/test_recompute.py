@@ -18,8 +18,8 @@ import shardlang as sl
 import strategy_workers
 from shardlang.batch import split_batch
 from shardlang.compiler.errors import CompileError, ScheduleError, SpecError
-from shardlang.compiler.schedule import OpKind
-from shardlang.compiler.verify import _check_recompute, verify
+from shardlang.compiler.schedule.schedule import OpKind
+from shardlang.compiler.schedule.verify import _check_recompute, verify
 
 POLICIES = ["full", "selective"]
 

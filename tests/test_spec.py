@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardlang.compiler.errors import ShardlangError, SpecError
-from shardlang.compiler.placement import LayoutKind, MeshShape, Placement
+from shardlang.compiler.layout.placement import LayoutKind, MeshShape, Placement
 from shardlang.errors import SpecError as ReexportedSpecError
 from shardlang.layout import Replicate, Shard, layout_from_dict, replicate, shard
 from shardlang.mesh import Mesh

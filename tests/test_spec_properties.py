@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardlang.compiler.errors import SpecError
-from shardlang.compiler.placement import LayoutKind
+from shardlang.compiler.layout.placement import LayoutKind
 from shardlang.layout import replicate, shard
 from shardlang.mesh import Mesh
 from shardlang.spec import Options, Spec

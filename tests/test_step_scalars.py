@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 import shardlang as sl
-from shardlang.compiler.step_scalars import split_step_scalars
+from shardlang.compiler.lower.step_scalars import split_step_scalars
 
 from models import CASES
 from parity import OPTIMIZERS
@@ -84,7 +84,7 @@ def test_the_inductor_backend_compiles_the_graph_without_its_step_scalars():
     """compile_graph hands inductor the split graph; its runner adds the prologue's values (inductor mocked out)."""
     from unittest import mock
 
-    from shardlang.compiler.backend import StepBackend, compile_graph
+    from shardlang.compiler.lower.backend import StepBackend, compile_graph
 
     (case, eager), (_, other) = _step("adamw"), _step("adamw")
     handed = []

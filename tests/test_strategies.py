@@ -19,8 +19,8 @@ import torch
 
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.formulas import formula_bytes, formula_bytes_by_flat
-from shardlang.compiler.schedule import OpKind
+from shardlang.compiler.analysis.formulas import formula_bytes, formula_bytes_by_flat
+from shardlang.compiler.schedule.schedule import OpKind
 from shardlang.strategy import StrategyRule
 
 import parity

@@ -180,7 +180,7 @@ def _taken(stream) -> str:
 def test_no_action_warnings_are_dropped_unless_verbose(monkeypatch, torch_log_stream):
     import logging
 
-    from shardlang.compiler import torch_logs
+    from shardlang.compiler.ir import torch_logs
 
     monkeypatch.delenv(torch_logs.VERBOSE_ENV, raising=False)
     torch_logs.drop_no_action_warnings()
@@ -197,7 +197,7 @@ def test_no_action_warnings_are_dropped_unless_verbose(monkeypatch, torch_log_st
 def test_torch_records_are_kept_back_while_tracing(monkeypatch, torch_log_stream):
     import logging
 
-    from shardlang.compiler import torch_logs
+    from shardlang.compiler.ir import torch_logs
 
     monkeypatch.delenv(torch_logs.VERBOSE_ENV, raising=False)
     with torch_logs.captured_torch_logs() as kept:

@@ -14,8 +14,8 @@ from torch import nn
 
 import shardlang as sl
 from shardlang.compiler.compile import compile_step
-from shardlang.compiler.pipeline import DEFAULT_PASSES
-from shardlang.compiler.trace import Phase, phase_of
+from shardlang.compiler.passes.pipeline import DEFAULT_PASSES
+from shardlang.compiler.ir.trace import Phase, phase_of
 
 HERE = pathlib.Path(__file__)
 SOURCE = HERE.read_text().splitlines()

@@ -1,4 +1,4 @@
-"""Planning from a replicated trace (Note [replicated trace] in compiler/replicate.py) is planning from the full trace.
+"""Planning from a replicated trace (Note [replicated trace] in compiler/ir/replicate.py) is planning from the full trace.
 
 The plan of a model with identical layers traces 3 and 4 of them and writes the
 graph of all of them; every test here plans the same model both ways and
@@ -18,8 +18,8 @@ from torch import nn
 
 import models
 import shardlang as sl
-from shardlang.compiler import replicate
-from shardlang.compiler.replicate import describe_graph
+from shardlang.compiler.ir import replicate
+from shardlang.compiler.ir.replicate import describe_graph
 
 LAYERS = 6
 

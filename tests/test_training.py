@@ -15,7 +15,7 @@ import torch
 import parity
 import shardlang as sl
 import training_workers as w
-from shardlang.compiler.schedule import OpKind
+from shardlang.compiler.schedule.schedule import OpKind
 
 STEPS = 3
 TOLERANCE = 1e-9

@@ -15,7 +15,7 @@ import models
 import parity
 import shardlang as sl
 from shardlang.batch import split_batch
-from shardlang.compiler.training import per_rank_seed
+from shardlang.compiler.ir.training import per_rank_seed
 from shardlang.training import to_param_groups, torch_param_groups
 
 

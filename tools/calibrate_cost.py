@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shardlang import api  # noqa: E402
-from shardlang.compiler.cost import ComputeModel, node_bytes, node_flops  # noqa: E402
-from shardlang.compiler.graph_utils import is_alias_op  # noqa: E402
+from shardlang.compiler.analysis.cost import ComputeModel, node_bytes, node_flops  # noqa: E402
+from shardlang.compiler.ir.graph_utils import is_alias_op  # noqa: E402
 from shardlang.job import build, global_batch, load_job  # noqa: E402
 from shardlang.runtime import DistContext, launch  # noqa: E402
 

@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from shardlang import api  # noqa: E402
 from shardlang.batch import split_batch  # noqa: E402
-from shardlang.compiler.plan_report import make_plan  # noqa: E402
-from shardlang.compiler.timeline import chrome_trace  # noqa: E402
+from shardlang.compiler.analysis.plan_report import make_plan  # noqa: E402
+from shardlang.compiler.analysis.timeline import chrome_trace  # noqa: E402
 from shardlang.job import build, global_batch, load_job  # noqa: E402
 from shardlang.plot import _pyplot, plot_memory, plot_trace  # noqa: E402
 

@@ -3,7 +3,7 @@
 For each configuration (an example job, a world size, a mesh, strategies, recompute,
 accumulation, backend), the job is planned with fake tensors (no processes, no weights)
 and the record keeps: the compiled graph's code, the graph bound to named process groups
-(`compiler.emit.bind`, with and without the all-to-all lowering), the schedule as JSON and
+(`compiler.lower.emit.bind`, with and without the all-to-all lowering), the schedule as JSON and
 the memory plan as JSON. Write the records before a change and compare after::
 
     python tools/record_compilations.py --out /tmp/before.json
@@ -63,6 +63,21 @@ def configurations() -> list[tuple[str, str, int, dict]]:
     return found
 
 
+def canonical(code: str) -> str:
+    """Graph code with the compiler's own functions named without their module (FX names a call
+    ``shardlang_compiler_lower_collectives_wait``): a module that moves changes no record."""
+    import importlib
+    import pkgutil
+
+    import shardlang.compiler
+
+    modules = [m.name for m in pkgutil.walk_packages(shardlang.compiler.__path__, "shardlang.compiler.")]
+    for name in sorted(modules, key=len, reverse=True):
+        importlib.import_module(name)
+        code = code.replace(name.replace(".", "_") + "_", "")
+    return code
+
+
 def record(job_name: str, world: int, changes: dict) -> dict[str, object]:
     job = load_job(ROOT / "examples" / f"{job_name}.py")
     spec = job.spec
@@ -74,14 +89,14 @@ def record(job_name: str, world: int, changes: dict) -> dict[str, object]:
     with contextlib.redirect_stdout(io.StringIO()):
         compiled = api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
                             world_size=world)
-    from shardlang.compiler.emit import bind
+    from shardlang.compiler.lower.emit import bind
 
     coordinates = dict(compiled.context.mesh.coordinate(0))
     return {
-        "graph": compiled.graph_module.code,
-        "bound": bind(compiled.graph_module, NamedGroups(), coordinates).code,
-        "bound all-to-all": bind(compiled.graph_module, NamedGroups(), coordinates,
-                                 reduce_scatter_as_all_to_all=True).code,
+        "graph": canonical(compiled.graph_module.code),
+        "bound": canonical(bind(compiled.graph_module, NamedGroups(), coordinates).code),
+        "bound all-to-all": canonical(bind(compiled.graph_module, NamedGroups(), coordinates,
+                                           reduce_scatter_as_all_to_all=True).code),
         "schedule": compiled.schedule.to_json(),
         "memory": compiled.memory.to_json(),
     }

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import CompileContext
-from ..emit import WORLD_AXIS as WORLD
-from ..graph_utils import sl_tag, tag
-from ..trace import Phase
-from .. import collectives
+from .context import CompileContext
+from ..lower.emit import WORLD_AXIS as WORLD
+from ..ir.graph_utils import sl_tag, tag
+from ..ir.trace import Phase
+from ..lower import collectives
 
 _aten = torch.ops.aten
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..errors import CompileError
-from ..graph_utils import positions, sl_tag
-from ..trace import Phase, phase_of
+from ..ir.graph_utils import positions, sl_tag
+from ..ir.trace import Phase, phase_of
 
 
 def optimizer_gradients(graph: fx.Graph) -> dict[str, fx.Node]:

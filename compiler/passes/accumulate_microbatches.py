@@ -1,7 +1,7 @@
 """Run k micro-batches per optimizer step, each with its own gathers, frees and reductions.
 
 Before (``Options(microbatches=k, accumulation="per_microbatch")``): the trace
-ran the first micro-batch only (Note [micro-batches] in `compiler.trace`): its
+ran the first micro-batch only (Note [micro-batches] in `compiler.ir.trace`): its
 batch leaves are rows ``[0, b)`` of the per-rank batch (slices tagged
 ``microbatch_rows``), its loss is already divided by k, and the passes before
 this one gave it every gather, free, re-gather, reduction, wait and average a
@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import CompileContext
+from .context import CompileContext
 from ..errors import CompileError
-from ..graph_utils import positions, tag
-from ..trace import Phase, phase_of, tag_of
-from ..training import Accumulation
+from ..ir.graph_utils import positions, tag
+from ..ir.trace import Phase, phase_of, tag_of
+from ..ir.training import Accumulation
 from ._order import ancestors, move_after, optimizer_gradients
 
 _aten = torch.ops.aten

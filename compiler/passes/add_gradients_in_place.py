@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..backend import StepBackend
-from ..context import CompileContext
-from ..graph_utils import positions, storage_key, tensor_leaves
-from ..shapes import propagate_shapes, remember_shapes
-from ..trace import Phase, phase_of
+from ..lower.backend import StepBackend
+from .context import CompileContext
+from ..ir.graph_utils import positions, storage_key, tensor_leaves
+from ..ir.shapes import propagate_shapes, remember_shapes
+from ..ir.trace import Phase, phase_of
 
 _aten = torch.ops.aten
 

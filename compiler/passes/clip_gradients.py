@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..graph_utils import positions, tag
-from ..trace import Phase
+from ..lower import collectives
+from .context import CompileContext
+from ..ir.graph_utils import positions, tag
+from ..ir.trace import Phase
 from ._norm import global_norm
 from ._order import is_update, move_after, optimizer_gradients
 

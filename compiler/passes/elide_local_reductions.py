@@ -10,7 +10,7 @@ gradient is an in-place elementwise op whose other tensor arguments are flat
 sized or 0-d, each reader is replaced by an `update_members_` call that runs it
 member by member on the member gradients, under the reader's name and meta;
 the pack, the collective, its wait and their aliases are gone (Note [updates
-from member gradients] in `compiler.member_updates`). Any other flat is left
+from member gradients] in `compiler.layout.member_updates`). Any other flat is left
 as it was.
 
 Invariant: a pack feeding a collective over one rank is read by something
@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..backend import StepBackend
-from ..context import CompileContext
-from ..flat import flatten_gradients, pack_gradients, pack_whole_gradients
-from ..member_updates import FLAT, GRAD, SAME, update_members_
+from ..lower import collectives
+from ..lower.backend import StepBackend
+from .context import CompileContext
+from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
+from ..layout.member_updates import FLAT, GRAD, SAME, update_members_
 
 _aten = torch.ops.aten
 

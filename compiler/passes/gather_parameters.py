@@ -3,7 +3,7 @@
 Before: a flat parameter's placeholder is the whole (logical) flat tensor and
 each member parameter is a detached view of it.
 After: the placeholder is this rank's shard (Note [shard layout] in
-`compiler.flat`). Right before the first forward use of any member, the pass
+`compiler.layout.flat`). Right before the first forward use of any member, the pass
 inserts ``all_gather -> wait -> unpack`` (one collective for the whole flat
 parameter) and every use of a member's leaf reads the unpacked tensor instead:
 a view of the gathered buffer in the whole layout, a copy of its pieces in the
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..flat import unpack_member
-from ..graph_utils import first_user, placeholders_by_flat, positions, tag
-from ..trace import Phase, tag_of
+from ..lower import collectives
+from .context import CompileContext
+from ..layout.flat import unpack_member
+from ..ir.graph_utils import first_user, placeholders_by_flat, positions, tag
+from ..ir.trace import Phase, tag_of
 
 
 def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

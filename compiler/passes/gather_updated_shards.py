@@ -1,7 +1,7 @@
 """ZERO1: update this rank's slice of each whole flat parameter, then all-gather the updated slices.
 
 Before: a ZERO1 flat parameter's placeholder is the whole flat parameter
-(padded, Note [whole-flat shards] in `compiler.flat`); forward and backward
+(padded, Note [whole-flat shards] in `compiler.layout.flat`); forward and backward
 read views of it, and `reduce_gradients` has reduce-scattered its gradient
 to this rank's slice. The optimizer nodes still update the placeholder
 itself.
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..graph_utils import placeholders_by_flat, positions, tag
-from ..placement import Strategy
-from ..trace import Phase, phase_of, tag_of
+from ..lower import collectives
+from .context import CompileContext
+from ..ir.graph_utils import placeholders_by_flat, positions, tag
+from ..layout.placement import Strategy
+from ..ir.trace import Phase, phase_of, tag_of
 
 
 def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

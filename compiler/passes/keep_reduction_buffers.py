@@ -3,7 +3,7 @@
 Note [kept reduction buffers]: a replicated flat parameter's gradient (the DDP
 strategy, and ``replicate()`` parameters in any spec) is concatenated by
 `flat.flatten_gradients` into one full-size buffer that an all-reduce sums in
-place (Note [reductions in place] in `compiler.emit`), that the average
+place (Note [reductions in place] in `compiler.lower.emit`), that the average
 divides in place, and that the update reads, all within the step. Made anew
 every step, that buffer is an allocation above glibc's mmap threshold: fresh
 pages every step, faulted in by the cat and unmapped at the end (measured at
@@ -13,7 +13,7 @@ instead owned by the bound graph (`emit.bind` swaps its `flatten_gradients`
 for a `flat.KeptReductionBuffer`'s ``fill``): allocated on the first step,
 written by the same cat after. The values are the same to the bit; the bytes
 are held between steps, and the memory plan counts them as state
-(`Category.REDUCTION_BUFFERS`, `compiler.memory`).
+(`Category.REDUCTION_BUFFERS`, `compiler.analysis.memory`).
 
 Not marked: reduce-scatter inputs (ZeRO-1/2/3: holding a full gradient
 between steps would undo their sharding), a hybrid mesh's all-reduce of a
@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .. import collectives
-from ..backend import StepBackend
-from ..context import CompileContext
-from ..flat import is_new_flat_buffer
-from ..graph_utils import sl_tag
-from ..training import Accumulation
+from ..lower import collectives
+from ..lower.backend import StepBackend
+from .context import CompileContext
+from ..layout.flat import is_new_flat_buffer
+from ..ir.graph_utils import sl_tag
+from ..ir.training import Accumulation
 
 
 def keep_reduction_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import CompileContext
-from ..graph_utils import positions, sl_tag
+from .context import CompileContext
+from ..ir.graph_utils import positions, sl_tag
 
 _REDUCTIONS = ("reduce_scatter", "all_reduce")
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import CompileContext
-from ..graph_utils import positions, sl_tag
-from ..trace import Phase, phase_of
+from .context import CompileContext
+from ..ir.graph_utils import positions, sl_tag
+from ..ir.trace import Phase, phase_of
 
 
 def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -3,11 +3,11 @@
 Before: backward reads the values forward made (the saved activations)
 directly, so every one of them lives from its forward node to its last backward
 use. Forward nodes carry ``meta["custom"]["unit"]``, the innermost unit module
-that ran them (`compiler.trace`); parameters are already gathered
+that ran them (`compiler.ir.trace`); parameters are already gathered
 (`gather_parameters`).
 
 After, for each unit whose policy in ``ctx.recompute`` is not NONE
-(`compiler.placement.Recompute`), and each micro-batch:
+(`compiler.layout.placement.Recompute`), and each micro-batch:
   - the unit's *internal* forward values (those no forward node outside the
     unit reads) that backward reads are made again by copies of their forward
     nodes, placed together, in forward order, right before the first backward
@@ -20,7 +20,7 @@ After, for each unit whose policy in ``ctx.recompute`` is not NONE
     backward nodes: `reshard_after_forward`, which runs next, puts the unit's
     backward re-gather before the first of them, so one gather serves the
     recompute and the backward (Note [one gather for recompute and backward]).
-  - Note [replayed draws] (`compiler.rng`): a random op among the copies draws
+  - Note [replayed draws] (`compiler.ir.rng`): a random op among the copies draws
     from the generator state saved just before its forward original, so
     dropout masks are bitwise the forward's.
   - A unit whose forward mutates a value in place that the copies would read
@@ -31,7 +31,7 @@ Note [one gather for recompute and backward]: FSDP2 with activation
 checkpointing re-gathered a checkpointed region's parameters for its
 recompute, and again for its backward. Here the recompute is part of the
 unit's backward, so ZeRO-3 gathers a unit twice per step with or without
-recompute, and ZeRO-2 once; `compiler.verify` checks that every parameter a
+recompute, and ZeRO-2 once; `compiler.schedule.verify` checks that every parameter a
 recompute reads is read by that unit's backward from the same gather.
 
 Invariant: every copy carries ``meta["custom"]["recompute"]`` (its unit) and
@@ -47,12 +47,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..context import CompileContext
+from .context import CompileContext
 from ..errors import CompileError
-from ..graph_utils import positions, set_phase, sl_tag
-from ..placement import Recompute
-from ..rng import is_random, save_rng_state, with_rng_state
-from ..trace import Phase, phase_of, tag_of
+from ..ir.graph_utils import positions, set_phase, sl_tag
+from ..layout.placement import Recompute
+from ..ir.rng import is_random, save_rng_state, with_rng_state
+from ..ir.trace import Phase, phase_of, tag_of
 
 _aten = torch.ops.aten
 
@@ -87,7 +87,7 @@ def recompute_activations(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
 def recomputed_nodes(gm: fx.GraphModule, policies: dict[str, Recompute]) -> dict[str, list[fx.Node]]:
     """Per unit, the forward nodes this pass would copy under ``policies``, read off a graph compiled without them.
 
-    The memory budget's search (`compiler.budget`) sums their cost to bound
+    The memory budget's search (`compiler.analysis.budget`) sums their cost to bound
     what recompute adds to a step before compiling it. Example:
     ``recomputed_nodes(step.graph_module, {"layers.0": Recompute.FULL})["layers.0"]``.
     """

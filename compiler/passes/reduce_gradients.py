@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..flat import flatten_gradients, pack_gradients, pack_whole_gradients
-from ..graph_utils import positions, set_phase, sl_tag, tag
-from ..placement import WORLD
-from ..trace import Phase, tag_of
+from ..lower import collectives
+from .context import CompileContext
+from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
+from ..ir.graph_utils import positions, set_phase, sl_tag, tag
+from ..layout.placement import WORLD
+from ..ir.trace import Phase, tag_of
 
 
 def _underlying_gradient(node: fx.Node) -> fx.Node:

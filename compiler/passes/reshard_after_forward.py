@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
-from ..placement import Strategy
-from ..trace import Phase, phase_of
+from ..lower import collectives
+from .context import CompileContext
+from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
+from ..layout.placement import Strategy
+from ..ir.trace import Phase, phase_of
 
 
 def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -6,7 +6,7 @@ that `reduce_gradients` produced (clipped by `clip_gradients` when asked).
 After: the same nodes, proven to read nothing but the shard, the shard-sized
 state, the reduced gradient and 0-d hyperparameters; the placeholders are
 re-typed to shard size and every node's shape is re-derived
-(`compiler.shapes`). The update is elementwise (`compiler.optim`), so it is
+(`compiler.ir.shapes`). The update is elementwise (`compiler.layout.optim`), so it is
 the same code on a shard as on the whole, and in place, so parameters and
 optimizer state are never held twice.
 
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import CompileContext
+from .context import CompileContext
 from ..errors import CompileError
-from ..graph_utils import sl_tag
-from ..shapes import propagate_shapes
-from ..trace import Phase, phase_of
+from ..ir.graph_utils import sl_tag
+from ..ir.shapes import propagate_shapes
+from ..ir.trace import Phase, phase_of
 
 _READABLE_KINDS = {"wait_reduce", "average", "clip", "skip"}
 

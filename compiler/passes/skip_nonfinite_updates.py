@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
+from ..lower import collectives
+from .context import CompileContext
 from ..errors import CompileError
-from ..graph_utils import positions, tag
-from ..trace import Phase, phase_of
+from ..ir.graph_utils import positions, tag
+from ..ir.trace import Phase, phase_of
 from ._norm import find_norm, global_norm
 from ._order import is_update, move_after, optimizer_gradients
 

@@ -1,6 +1,6 @@
 """Turn each traced ``shardlang::all_reduce_sum`` (batch statistics) into an issued all-reduce and its wait.
 
-Before: synchronised BatchNorm (`compiler.sync_batch_norm`) left one custom-op
+Before: synchronised BatchNorm (`compiler.ir.sync_batch_norm`) left one custom-op
 node per reduction of batch statistics, in forward and in backward.
 After: each is ``all_reduce -> wait`` on the abstract collectives, tagged kind
 "all_reduce" / "wait_reduce" with no flat parameter, so binding, the schedule
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives
-from ..context import CompileContext
-from ..graph_utils import tag
-from ..trace import phase_of
+from ..lower import collectives
+from .context import CompileContext
+from ..ir.graph_utils import tag
+from ..ir.trace import phase_of
 
 
 def split_batch_stat_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

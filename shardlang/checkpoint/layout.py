@@ -4,7 +4,7 @@ Note [chunks of a flat shard]: DCP describes a shard of a tensor as a
 rectangular chunk (offsets and sizes in the global tensor) and reshards by
 intersecting the chunks a checkpoint holds with the chunks a rank wants. A
 rank's piece of a member sharded flat is a contiguous range ``[lo, hi)`` of
-the member's row-major flattening (Note [shard layout] in `compiler.flat`),
+the member's row-major flattening (Note [shard layout] in `compiler.layout.flat`),
 which is not one rectangle but a union of a few: a partial row, whole rows, a
 partial row, each partial row split the same way one dimension down
 (`range_chunks`). So is the part of a member inside a rank's slice of a whole
@@ -33,8 +33,8 @@ import math
 import attrs
 import torch
 
-from ..compiler.flat import FlatParam, Member, member_span
-from ..compiler.placement import LayoutKind
+from ..compiler.layout.flat import FlatParam, Member, member_span
+from ..compiler.layout.placement import LayoutKind
 
 
 @attrs.frozen

@@ -29,9 +29,9 @@ import json
 import attrs
 import torch
 
-from ..compiler.flat import FlatParam
-from ..compiler.optim import SGD, Adam, AdamW, hyper_name
-from ..compiler.trace import tied_parameters
+from ..compiler.layout.flat import FlatParam
+from ..compiler.layout.optim import SGD, Adam, AdamW, hyper_name
+from ..compiler.ir.trace import tied_parameters
 from ..errors import CheckpointError
 from .layout import Entry, optimizer_pieces, parameter_pieces
 

@@ -20,7 +20,7 @@ import os
 
 import attrs
 
-from ..compiler import cost
+from ..compiler.analysis import cost
 
 
 def positive(what: str):

@@ -16,7 +16,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from ..compiler import cost
+from ..compiler.analysis import cost
 from ..errors import SpecError
 from .args import add_model_arguments, cost_model, positive
 from .common import shown
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 def main(args) -> int:
     """Compare the two plans and print the comparison; the exit code."""
-    from ..compiler.plan_diff import diff_plans
+    from ..compiler.analysis.plan_diff import diff_plans
 
     stdout = sys.stdout
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()

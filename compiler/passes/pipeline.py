@@ -20,23 +20,23 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from .context import CompileContext
-from .errors import CompileError
-from .provenance import failing_node, site_of_node
-from .passes.accumulate_microbatches import accumulate_microbatches
-from .passes.add_gradients_in_place import add_gradients_in_place
-from .passes.clip_gradients import clip_gradients
-from .passes.elide_local_reductions import elide_local_reductions
-from .passes.gather_parameters import gather_parameters
-from .passes.gather_updated_shards import gather_updated_shards
-from .passes.keep_reduction_buffers import keep_reduction_buffers
-from .passes.limit_reductions_in_flight import limit_reductions_in_flight
-from .passes.prefetch_gathers import prefetch_gathers
-from .passes.recompute_activations import recompute_activations
-from .passes.reduce_gradients import reduce_gradients
-from .passes.reshard_after_forward import reshard_after_forward
-from .passes.shard_optimizer import shard_optimizer
-from .passes.skip_nonfinite_updates import skip_nonfinite_updates
-from .passes.split_batch_stat_reductions import split_batch_stat_reductions
+from ..errors import CompileError
+from ..ir.provenance import failing_node, site_of_node
+from .accumulate_microbatches import accumulate_microbatches
+from .add_gradients_in_place import add_gradients_in_place
+from .clip_gradients import clip_gradients
+from .elide_local_reductions import elide_local_reductions
+from .gather_parameters import gather_parameters
+from .gather_updated_shards import gather_updated_shards
+from .keep_reduction_buffers import keep_reduction_buffers
+from .limit_reductions_in_flight import limit_reductions_in_flight
+from .prefetch_gathers import prefetch_gathers
+from .recompute_activations import recompute_activations
+from .reduce_gradients import reduce_gradients
+from .reshard_after_forward import reshard_after_forward
+from .shard_optimizer import shard_optimizer
+from .skip_nonfinite_updates import skip_nonfinite_updates
+from .split_batch_stat_reductions import split_batch_stat_reductions
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 

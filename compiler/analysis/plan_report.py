@@ -29,12 +29,12 @@ import json
 import attrs
 import torch.fx as fx
 
-from .compile import collection_paused
+from ..compile import collection_paused
 from .cost import CostModel, Timeline
 from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
-from .schedule import OpKind, Schedule
-from .schedule_format import _detail, _unit, human_bytes
-from .trace import GraphInput
+from ..schedule.schedule import OpKind, Schedule
+from ..schedule.schedule_format import _detail, _unit, human_bytes
+from ..ir.trace import GraphInput
 
 
 @attrs.frozen
@@ -44,7 +44,7 @@ class Plan:
     schedule: Schedule
     memory: MemoryPlan
     timeline: Timeline
-    budget: object = None  # `compiler.budget.BudgetChoice`, when Options.memory_budget chose the configuration
+    budget: object = None  # `compiler.analysis.budget.BudgetChoice`, when Options.memory_budget chose the configuration
 
     def to_dict(self) -> dict:
         """The schedule's JSON object plus ``memory``, ``timeline`` and ``communication`` (see docs/plan.md)."""
@@ -81,7 +81,7 @@ def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, sche
 
     ``cost_model`` defaults to `CostModel()` (gloo on loopback, CPU); the
     memory plan's collective scratch follows its link's backend unless
-    ``scratch`` is given (Note [collective scratch] in `compiler.memory`).
+    ``scratch`` is given (Note [collective scratch] in `compiler.analysis.memory`).
     """
     if compiled is not None:
         graph_module, schedule, inputs = compiled.graph_module, compiled.schedule, compiled.context.inputs
@@ -113,7 +113,7 @@ class CommunicationRow:
 
 
 def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
-    """Each collective kind's planned payload against the strategies' formulas (`compiler.formulas`)."""
+    """Each collective kind's planned payload against the strategies' formulas (`compiler.analysis.formulas`)."""
     from .formulas import REGATHER_DETAIL, formula_bytes
 
     formula = formula_bytes(schedule)

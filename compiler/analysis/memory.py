@@ -12,7 +12,7 @@ alive, and views, in-place ops and identity collectives share their input's
 storage: the plan follows storages, identified through the fake tensors (a
 view's fake tensor has its base's fake storage; the shapes of the final graph
 are propagated in one fake mode, node for node as one FakeTensorProp would,
-Note [incremental shapes] in `compiler.shapes`, so the identities are those of
+Note [incremental shapes] in `compiler.ir.shapes`, so the identities are those of
 a real run). A
 node's output exists while its inputs are still held, so "during" a node
 counts both: that is when the allocator's high-water mark is reached, and it is
@@ -37,7 +37,7 @@ returns. `gloo_scratch` takes those upper bounds and the plan counts
 promises memory that a run may need; `NO_SCRATCH` is NCCL's.
 
 Note [activations per unit]: a forward value belongs to the unit whose module
-made it (``meta["custom"]["unit"]``, `compiler.trace`). A unit's *kept* bytes
+made it (``meta["custom"]["unit"]``, `compiler.ir.trace`). A unit's *kept* bytes
 are its activations still live when backward starts (at the first backward
 node): what it holds from forward to backward. Its *recomputed* bytes are the
 new storages its recompute makes in backward (`passes.recompute_activations`):
@@ -51,7 +51,7 @@ keeps between steps (Note [kept reduction buffers] in
 counts them as `Category.REDUCTION_BUFFERS`, live from the step's start (the
 previous step left them) to its end, and in ``persistent``. Their pack
 allocates nothing, and neither does what the bound graph does to them in
-place (Note [reductions in place] in `compiler.emit`): the all-reduce, its
+place (Note [reductions in place] in `compiler.lower.emit`): the all-reduce, its
 wait, and the average when it alone reads the wait; the plan follows those
 values to the kept storage as `emit.made_in_place` says bind makes them
 (`_Simulator._kept_aliases`), where the compiled graph has new ones.
@@ -74,14 +74,14 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from . import collectives
-from .emit import made_in_place
-from .graph_utils import sl_tag
-from .member_updates import member_gradients_of, update_members_
-from .passes.keep_reduction_buffers import is_kept
-from .schedule import COLLECTIVE_KINDS, Schedule
-from .schedule_format import human_bytes
-from .trace import GraphInput, InputRole, Phase, phase_of, tag_of
+from ..lower import collectives
+from ..lower.emit import made_in_place
+from ..ir.graph_utils import sl_tag
+from ..layout.member_updates import member_gradients_of, update_members_
+from ..passes.keep_reduction_buffers import is_kept
+from ..schedule.schedule import COLLECTIVE_KINDS, Schedule
+from ..schedule.schedule_format import human_bytes
+from ..ir.trace import GraphInput, InputRole, Phase, phase_of, tag_of
 
 
 class Category(enum.Enum):

@@ -1,6 +1,6 @@
 """Compare two plans: what moved, what was added or removed, the bytes, the peak, the predicted time.
 
-A plan is a `compiler.plan_report.Plan` or its JSON form (``shardlang plan
+A plan is a `compiler.analysis.plan_report.Plan` or its JSON form (``shardlang plan
 --json``, `Plan.to_dict`), so plans saved yesterday compare with plans made now.
 
 Ops are matched by identity, not by index: a collective, wait, free or
@@ -28,7 +28,7 @@ import os
 import attrs
 
 from .memory import Category
-from .schedule_format import human_bytes
+from ..schedule.schedule_format import human_bytes
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _MATCHED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "wait", "free", "optimizer")

@@ -10,7 +10,7 @@ thread per lane, in this order:
     all_reduce       each all-reduce (replicated gradients, BatchNorm statistics)
 
 plus instant events on the compute lane where a gathered unit is freed, and two
-counter tracks: ``memory`` (bytes live by `compiler.memory.Category`, stacked)
+counter tracks: ``memory`` (bytes live by `compiler.analysis.memory.Category`, stacked)
 and ``memory total``. Each op's span is named ``"<op index> <kind> <unit>"``,
 the name `shardlang.profile` gives the same op in a measured trace, so the
 planned and the measured timelines can be read side by side.
@@ -27,7 +27,7 @@ import os
 
 from .cost import Timeline, op_name
 from .memory import Category, MemoryPlan
-from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
+from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 LANES = ("compute",) + tuple(k.value for k in COLLECTIVE_KINDS)
 _PID = 0

@@ -37,7 +37,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from .mutations import alias_base, written_args
+from ..ir.mutations import alias_base, written_args
 
 
 @attrs.frozen

@@ -6,7 +6,7 @@ collective needs one contiguous tensor. When that collective runs over a group
 of one rank (a world of one) it is an identity, and the pack is only a copy of
 every gradient: one read and one write of the whole parameter per step, about
 4% of a 100M step at N = 1 and more where the step is short. The optimizer
-update is elementwise (Note [elementwise updates] in `compiler.optim`), so each
+update is elementwise (Note [elementwise updates] in `compiler.layout.optim`), so each
 of its in-place ops that reads the flat gradient, ``exp_avg.lerp_(grad, w)``
 say, can run member by member instead: on the member's slice of the flat
 state, ``exp_avg[o:o+n]``, with the member's own gradient. Each element sees
@@ -20,7 +20,7 @@ other reader (a norm for clipping, a functional op such as L2 weight decay's
 keeps the pack for that flat, so the rewrite never changes what is computed.
 Being a pass, the schedule, memory plan and verifier read the graph that runs:
 an elided flat has no pack, no reduction and no wait in the plan (the verifier
-and `compiler.formulas` accept no reduction for a trainable flat only in a
+and `compiler.analysis.formulas` accept no reduction for a trainable flat only in a
 world of one), and its member gradients live until its update.
 
 `update_members_` is what the rewritten graph calls.

@@ -52,7 +52,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from .context import CompileContext
+from ..passes.context import CompileContext
 from .graph_utils import storage_key, tensor_layout, tensor_leaves
 from .trace import InputRole
 

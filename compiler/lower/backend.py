@@ -1,7 +1,7 @@
 """How a bound step graph runs: node by node (eager), or compiled by inductor.
 
 The compiler's output is one aten graph with its collectives bound to process
-groups (`compiler.emit`). ``StepBackend.EAGER`` runs it as fx's generated Python,
+groups (`compiler.lower.emit`). ``StepBackend.EAGER`` runs it as fx's generated Python,
 one aten call per node. ``StepBackend.INDUCTOR`` hands the same graph to
 ``torch._inductor.compile_fx``: inductor's AOT pass functionalises it, fuses the
 elementwise and reduction compute into a few C++ (CPU) or Triton (GPU) kernels,
@@ -65,7 +65,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from .errors import CompileError
+from ..errors import CompileError
 from .step_scalars import StepScalars, split_step_scalars
 
 

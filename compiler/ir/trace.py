@@ -44,10 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .errors import TraceError
-from .flat import FlatParam
+from ..errors import TraceError
+from ..layout.flat import FlatParam
 from .lazy_code import lazy_code
-from .optim import GroupedOptimizer, hyper_tensors
+from ..layout.optim import GroupedOptimizer, hyper_tensors
 from .dtypes import check_matmul_dtypes
 from .mutations import check_input_mutations
 from .provenance import partial_graph, trace_error, tracing_sites
@@ -229,9 +229,9 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable, flats: tuple[FlatParam
 
     ``batch`` is an example per-rank batch (real or fake); only its shapes and
     dtypes are used. With ``data_parallel_size`` > 1, training-mode BatchNorm is
-    traced synchronised over that many ranks (`compiler.sync_batch_norm`).
+    traced synchronised over that many ranks (`compiler.ir.sync_batch_norm`).
     ``optimizer`` is an optimizer or a `GroupedOptimizer` (one per parameter group);
-    ``training`` the training features (`compiler.training`). ``buffers``
+    ``training`` the training features (`compiler.ir.training`). ``buffers``
     (name -> `TensorShape`) stands in for the module's buffers, so a module
     whose storage is gone (on the meta device) traces again for another batch
     shape; by default the module's own buffers are the examples. ``tied``

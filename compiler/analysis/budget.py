@@ -3,8 +3,8 @@
 `fit_budget` is given a function that compiles the step (one trace, many
 option sets: `compile_step(traced=...)`) and the units it may choose for. A
 configuration is a recompute policy per unit and a prefetch depth; its planned
-peak is the memory plan's (`compiler.memory`) and its predicted step time the
-cost model's (`compiler.cost`). The search, with about ten compiles whatever
+peak is the memory plan's (`compiler.analysis.memory`) and its predicted step time the
+cost model's (`compiler.analysis.cost`). The search, with about ten compiles whatever
 the number of units:
 
 1. No recompute at the base depth. If it fits, only prefetch is left to choose.
@@ -57,9 +57,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from .errors import SpecError
-from .placement import Recompute
-from .schedule_format import human_bytes
+from ..errors import SpecError
+from ..layout.placement import Recompute
+from ..schedule.schedule_format import human_bytes
 
 
 class BudgetError(SpecError):
@@ -197,7 +197,7 @@ def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str
     """
     if cost_model.fused:
         return -math.inf  # fused costs are not a sum over nodes: no bound
-    from .passes.recompute_activations import recomputed_nodes
+    from ..passes.recompute_activations import recomputed_nodes
 
     kept = {u.unit: u.kept for u in memory.units}
     k, peak = 0, memory.peak

@@ -116,7 +116,7 @@ class FlatParam:
     trainable: bool
     dtype: torch.dtype
     members: tuple[Member, ...]
-    group: int = 0  # parameter group (`compiler.training`): which optimizer hyperparameters update it
+    group: int = 0  # parameter group (`compiler.ir.training`): which optimizer hyperparameters update it
     param_dtype: torch.dtype | None = None  # mixed precision: gather and compute in this dtype
     reduce_dtype: torch.dtype | None = None  # mixed precision: reduce gradients in this dtype
     strategy: Strategy = Strategy.ZERO3  # DDP exactly when axis is None
@@ -353,7 +353,7 @@ def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.
 
 def is_new_flat_buffer(node) -> bool:
     """Whether fx ``node`` is a `flatten_gradients` that makes a buffer of its own (several gradients, or a cast)
-    read by one node alone; one gradient flattened is a view of it (Note [reductions in place] in `compiler.emit`)."""
+    read by one node alone; one gradient flattened is a view of it (Note [reductions in place] in `compiler.lower.emit`)."""
     if node.op != "call_function" or node.target is not flatten_gradients or len(node.users) != 1:
         return False
     dtype, *grads = node.args

@@ -31,12 +31,12 @@ import attrs
 import torch
 import torch.fx as fx
 
-from . import collectives
-from .context import CompileContext
-from .graph_utils import alias_closure, sl_tag, unpack_copies
-from .member_updates import written_in_place
-from .placement import WORLD
-from .trace import Phase, phase_of, tag_of
+from ..lower import collectives
+from ..passes.context import CompileContext
+from ..ir.graph_utils import alias_closure, sl_tag, unpack_copies
+from ..layout.member_updates import written_in_place
+from ..layout.placement import WORLD
+from ..ir.trace import Phase, phase_of, tag_of
 
 
 class OpKind(enum.Enum):
@@ -93,7 +93,7 @@ class FlatSummary:
     ``local_numel`` is the shard a rank's optimizer updates (and the size of each
     optimizer state tensor); ``held_numel`` the parameter storage a rank holds:
     the shard under ZERO3 / ZERO2, the whole (padded) flat parameter under ZERO1
-    and DDP. ``strategy`` is a `compiler.placement.Strategy` value; ``axis`` the
+    and DDP. ``strategy`` is a `compiler.layout.placement.Strategy` value; ``axis`` the
     mesh axis it is sharded over (None when replicated).
     """
 

@@ -1,6 +1,6 @@
 """Emit: bind the abstract collectives of a compiled graph to real process groups.
 
-The compiler works against axis names (`compiler.collectives`); binding swaps
+The compiler works against axis names (`compiler.lower.collectives`); binding swaps
 each abstract collective for the ``torch.ops._c10d_functional`` op on the
 process group that serves its axis. Issue and wait stay separate nodes, so an
 issued collective runs while the compute between them does (async on gloo's
@@ -32,11 +32,11 @@ import torch
 import torch.fx as fx
 
 from . import collectives
-from .errors import CompileError
-from .flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
-from .graph_utils import sl_tag
-from .passes.keep_reduction_buffers import is_kept
-from .placement import WORLD
+from ..errors import CompileError
+from ..layout.flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
+from ..ir.graph_utils import sl_tag
+from ..passes.keep_reduction_buffers import is_kept
+from ..layout.placement import WORLD
 
 _c10d = torch.ops._c10d_functional
 
@@ -132,7 +132,7 @@ def made_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     wait maps to its issue. The values are the same to the bit. `bind` takes
     its in-place targets from this map, and the memory plan follows it for the
     buffers kept between steps (Note [kept buffers in the plan] in
-    `compiler.memory`). For every other buffer the plan, made on the compiled
+    `compiler.analysis.memory`). For every other buffer the plan, made on the compiled
     graph, still counts the clone and the quotient, so it stays an upper bound.
 
     Example: for ``pack -> all_reduce -> wait -> average`` over two ranks,

@@ -36,7 +36,7 @@ Example::
 
 from __future__ import annotations
 
-from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
+from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 REGATHER_DETAIL = "re-gather for backward"
 

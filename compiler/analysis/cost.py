@@ -24,7 +24,7 @@ link; `serialize_collectives=False` gives each kind its own), compute runs
 until a wait, and a wait blocks until its collective ends. The time a wait
 blocks is *exposed* communication; the rest overlaps compute.
 
-With ``fused=True`` (``Options(backend="inductor")``, `compiler.backend`) the
+With ``fused=True`` (``Options(backend="inductor")``, `compiler.lower.backend`) the
 compute is costed as inductor runs it: Note [fused compute].
 
 The presets and the numbers behind them are in docs/plan.md ("The knobs").
@@ -47,9 +47,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .errors import SpecError
-from .graph_utils import is_alias_op
-from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
+from ..errors import SpecError
+from ..ir.graph_utils import is_alias_op
+from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 _aten = torch.ops.aten
 

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 
 import attrs
 
-from .backend import StepBackend
-from .flat import FlatParam
-from .placement import MeshShape, Recompute
-from .trace import GraphInput
-from .training import Training
+from ..lower.backend import StepBackend
+from ..layout.flat import FlatParam
+from ..layout.placement import MeshShape, Recompute
+from ..ir.trace import GraphInput
+from ..ir.training import Training
 
 
 @attrs.frozen
@@ -18,7 +18,7 @@ class CompileContext:
     """The flat parameters, the abstract mesh, the graph's input signature and the options.
 
     ``training`` holds the training features (clipping, parameter groups,
-    accumulation, random numbers; `compiler.training`). ``recompute`` maps a
+    accumulation, random numbers; `compiler.ir.training`). ``recompute`` maps a
     unit's name to its `Recompute` policy (units left out keep everything).
 
     Example: ``CompileContext(flats, MeshShape((("fsdp", 4),)), traced.inputs)``.

@@ -30,8 +30,8 @@ Tests run it after every pass; `compile` runs it once at the end.
 
 from __future__ import annotations
 
-from .errors import ScheduleError
-from .placement import WORLD, Strategy
+from ..errors import ScheduleError
+from ..layout.placement import WORLD, Strategy
 from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 
