@@ -218,7 +218,7 @@ def diagnose(ctx, size: str, mode: str, early: bool, updates: bool, timeline: bo
     if own_group:
         torch.distributed.destroy_process_group()
     if timeline:
-        from shardlang.batch import batch_leaves
+        from shardlang.step.batch import batch_leaves
 
         leaves = batch_leaves(batches[0], step.compiled.traced.batch_shapes, step.dist.device)
         recorder = _Timeline(step._graph)

@@ -24,8 +24,8 @@ from pathlib import Path
 from shardlang import api
 
 from .probes import StepProbe
-from shardlang.job import build, global_batch, init_of, load_job
-from shardlang.batch import split_batch
+from shardlang.cli.job import build, global_batch, init_of, load_job
+from shardlang.step.batch import split_batch
 from shardlang.runtime.launcher import launch
 from shardlang.runtime.peak_memory import MIB, PeakMemory, malloc_in_use, peak_rss_bytes, rss_bytes
 

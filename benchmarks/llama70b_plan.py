@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.schedule.schedule_format import human_bytes
 
 GIB = 2**30

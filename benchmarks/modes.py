@@ -8,7 +8,7 @@ AdamW at the same hyperparameters:
 - ``shardlang``: full sharding (ZeRO-3): every parameter sharded flat, one unit per
   transformer block plus the root unit (embeddings, final LayerNorm, tied head).
 - ``shardlang-zero2``, ``shardlang-zero1``, ``shardlang-ddp``: the same units under
-  shardlang's other strategies (`shardlang.strategy`): parameters kept from forward
+  shardlang's other strategies (`shardlang.spec.strategy`): parameters kept from forward
   to backward; whole parameters with sharded optimizer state; nothing sharded.
   At N = 1 every strategy is the same program, so only ``shardlang`` runs there.
 - ``shardlang-inductor``: ``shardlang`` with ``Options(backend="inductor")``: the
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPTConfig, lm_loss, make_gpt, make_tokens
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.runtime.dist import Backend, DistContext
 
 from .probes import StepProbe, bytes_written, give_memory_back, memory_in_use
@@ -168,7 +168,7 @@ class ShardlangTrainer:
         # it gets no store there, as in a world of one.
         fake = contextlib.ExitStack()
         if spec.backend == FAKE:
-            fake.enter_context(mock.patch("shardlang.step._check_same_schedule"))
+            fake.enter_context(mock.patch("shardlang.step.step._check_same_schedule"))
             fake.enter_context(mock.patch("shardlang.runtime.watch.dist.distributed_c10d._get_default_store",
                                           return_value=None))
         started = time.perf_counter()

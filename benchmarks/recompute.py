@@ -36,7 +36,7 @@ import torch.fx as fx
 
 import shardlang as sl
 from examples.gpt import lm_loss, make_gpt, make_tokens
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.runtime import WorkerPool
 
 from .modes import SIZES

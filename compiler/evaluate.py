@@ -4,7 +4,7 @@ Note [evaluation graph]: evaluation runs ``fn(model, batch)`` (the loss, or
 anything else of the model and a batch) with the model in eval mode and no
 gradients. It is traced by `compiler.ir.trace.trace_forward` over the SAME flat
 parameters as the training step it belongs to, so the rank's `TrainState`
-(shardlang.state, Note [one state, many graphs]) feeds it unchanged: its
+(shardlang.step.state, Note [one state, many graphs]) feeds it unchanged: its
 inputs are the state's parameter storage (FLAT) and buffers (BUFFER), then the
 batch. There is no optimizer state, step count or hyperparameter input,
 because nothing is updated; eval-mode BatchNorm reads its running statistics

@@ -15,7 +15,7 @@ Example::
 """
 
 from .api import compile, plan
-from .batch import split_batch
+from .step.batch import split_batch
 from .compiler.lower.backend import StepBackend
 from .compiler.layout.optim import SGD, Adam, AdamW
 from .compiler.schedule.schedule import OpKind, Schedule
@@ -29,15 +29,15 @@ from .errors import (
     SpecError,
     TraceError,
 )
-from .layout import Replicate, Shard, replicate, shard
-from .mesh import Mesh
-from .precision import MixedPrecision
-from .recompute import Recompute, RecomputeRule
-from .rules import Rule
-from .spec import Options, ResolvedSpec, Spec
-from .strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
-from .step import Step
-from .training import Accumulation, ParamGroup, RandomScheme
+from .spec.layout import Replicate, Shard, replicate, shard
+from .spec.mesh import Mesh
+from .spec.precision import MixedPrecision
+from .spec.recompute import Recompute, RecomputeRule
+from .spec.rules import Rule
+from .spec.spec import Options, ResolvedSpec, Spec
+from .spec.strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
+from .step.step import Step
+from .spec.training import Accumulation, ParamGroup, RandomScheme
 
 __all__ = [
     "Adam", "AdamW", "CheckpointError", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",

@@ -16,19 +16,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .compiler.analysis.budget import fit_budget
 from .compiler.compile import CompiledStep, collection_paused, compile_step, step_flats
 from .compiler.evaluate import compile_eval
-from .batch import check_example_batch
+from .step.batch import check_example_batch
 from .compiler.layout.placement import Recompute
 from .compiler.schedule.schedule_format import human_bytes
 from .compiler.layout.optim import AdamW
 from .compiler.ir.trace import TensorShape, tied_parameters
 from .errors import ShardlangRuntimeError, SpecError
-from .materialize import Init, has_meta, materialize
-from .ownership import check_not_handed_over, release
+from .step.materialize import Init, has_meta, materialize
+from .step.ownership import check_not_handed_over, release
 from .runtime.dist import Backend, DistContext
-from .spec import Spec
-from .step import Step
-from .training import training_of
-from .variants import DEFAULT_SHAPE_LIMIT, Recipe
+from .spec.spec import Spec
+from .step.step import Step
+from .spec.training import training_of
+from .step.variants import DEFAULT_SHAPE_LIMIT, Recipe
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=None, example_batch,
@@ -42,7 +42,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     optimizer. Without ``dist_context`` the step joins torch.distributed's
     default group when one is initialised and runs alone otherwise.
     ``lr_schedule`` is a function that takes a torch optimizer and returns a
-    ``torch.optim.lr_scheduler`` on it (`shardlang.lr`); the step applies it
+    ``torch.optim.lr_scheduler`` on it (`shardlang.step.lr`); the step applies it
     after every optimizer step, without retracing.
 
     ``timeout`` (seconds) sets how long the step's collectives wait for late
@@ -52,12 +52,12 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
 
     ``model`` may be built on the meta device (``with torch.device("meta"):``):
     each rank then materialises only its shards, one unit at a time
-    (`shardlang.materialize`, Note [materialisation]), initialising every
+    (`shardlang.step.materialize`, Note [materialisation]), initialising every
     module with ``reset_parameters()`` and then ``init_weights(module)`` when
     given, under seeds derived from ``init_seed`` and the module's name, so the
     values are the same at every world size and spec. ``weights`` (a
     safetensors file or a Hugging Face checkpoint directory) loads every
-    parameter instead, each rank reading only its slices (`shardlang.weights`).
+    parameter instead, each rank reading only its slices (`shardlang.step.weights`).
     A model with real values is sharded as it is (its values must be equal on
     every rank).
 
@@ -68,7 +68,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     A batch of another shape (a last partial batch, other sequence lengths;
     ranks may differ in the same step) compiles once more on first sight, with
     the same spec and options, over the same shards and optimizer state
-    (`shardlang.variants`); past ``shape_limit`` distinct shapes a `ShapeWarning`
+    (`shardlang.step.variants`); past ``shape_limit`` distinct shapes a `ShapeWarning`
     names them. The step keeps a reference to ``model`` to trace it again.
 
     Example::

@@ -16,7 +16,7 @@ import json
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 
 from parity import DTYPES, OPTIMIZERS
 from training_workers import CASES, SCHEDULES

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.cli import main as cli_main
-from shardlang.job import load_job
+from shardlang.cli.job import load_job
 from shardlang.runtime.dist import DistContext, init_from_env
 from shardlang.runtime.worker_pool import WorkerPool
 

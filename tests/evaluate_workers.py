@@ -14,7 +14,7 @@ import torch
 import models
 import parity
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from training_workers import DropoutMLP
 
 CASES = {**models.CASES, "mlp_dropout": models.Case("mlp_dropout", DropoutMLP, models.mse_loss, models.mlp_batch)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.lower import emit
 
 from models import CASES

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardlang as sl
-from shardlang.batch import split_batch
-from shardlang.materialize import Init, materialize_module
+from shardlang.step.batch import split_batch
+from shardlang.step.materialize import Init, materialize_module
 
 import parity
 from models import CASES, GLOBAL_BATCH, Case, _gen

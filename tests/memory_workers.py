@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 
 from shardlang import api
-from shardlang.batch import split_batch
-from shardlang.job import build, global_batch, load_job
+from shardlang.step.batch import split_batch
+from shardlang.cli.job import build, global_batch, load_job
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -6,7 +6,7 @@ import torch
 
 import parity
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 
 from models import CASES
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 
 from models import CASES
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 
 import parity
 from models import CASES

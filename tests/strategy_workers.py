@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 
 import parity
 from models import CASES

@@ -20,7 +20,7 @@ import torch
 import models
 import shardlang as sl
 import shardlang.api as api
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.budget import fit_budget
 from shardlang.compiler.analysis.cost import ComputeModel, CostModel
 from shardlang.compiler.layout.placement import Recompute

@@ -105,7 +105,8 @@ def test_a_rank_killed_at_random_loses_nothing_and_resumes_to_the_same_parameter
             resumed = _run(*common, *flags, "--resume")
             assert resumed.returncode == 0, f"{what}: the resumed run failed:\n{resumed.stderr}"
             found = re.search(r"resumed from \S+step-(\d+)(?:\.old)? \(step (\d+)", resumed.stdout)
-            resumed_from = int(found.group(2)) if found else 0
+            done = re.search(r"nothing to do: the latest checkpoint .* is at step (\d+)", resumed.stdout)
+            resumed_from = int(found.group(2)) if found else int(done.group(1)) if done else 0
             assert resumed_from >= _saved_before_the_kill(killed.stdout), \
                 f"{what}: a checkpoint the killed run had completed was lost:\n{killed.stdout}\n{resumed.stdout}"
         final = _final_parameters(ckpt / f"step-{STEPS:08d}")

@@ -1,4 +1,4 @@
-"""`shardlang check` tells rounding noise from bugs (shardlang.compare, Note [scale of a parameter]).
+"""`shardlang check` tells rounding noise from bugs (shardlang.cli.compare, Note [scale of a parameter]).
 
 The false failure: examples/bert.py's key biases have a zero gradient in exact
 arithmetic and stay at rounding noise, which the older measure (relative to
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from shardlang.cli import check, main
-from shardlang.compare import Movement, relative_difference, scaled_difference
+from shardlang.cli.compare import Movement, relative_difference, scaled_difference
 from shardlang.compiler import compile as compile_module
 from shardlang.compiler.passes._order import optimizer_gradients
 from shardlang.compiler.passes.elide_local_reductions import elide_local_reductions
-from shardlang.job import build, global_batch, load_job
+from shardlang.cli.job import build, global_batch, load_job
 from shardlang.runtime.dist import DistContext
 
 ROOT = Path(__file__).resolve().parents[1]

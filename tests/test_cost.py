@@ -11,11 +11,11 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis import cost
 from shardlang.compiler.analysis.cost import COMPUTE, LINKS, ComputeModel, CostModel, LinkModel, node_flops
 from shardlang.compiler.schedule.schedule import COLLECTIVE_KINDS, OpKind
-from shardlang.job import build, global_batch, load_job
+from shardlang.cli.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")

@@ -14,9 +14,9 @@ import torch
 import evaluate_workers as w
 import shardlang as sl
 from models import CASES
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.cli import main
-from shardlang.job import build, load_job
+from shardlang.cli.job import build, load_job
 from shardlang.compiler.schedule.schedule import OpKind, Schedule
 from shardlang.compiler.schedule.verify import verify
 

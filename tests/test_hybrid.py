@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.formulas import formula_bytes
 from shardlang.compiler.layout.placement import WORLD, MeshShape
 from shardlang.compiler.schedule.schedule import OpKind

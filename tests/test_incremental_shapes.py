@@ -22,7 +22,7 @@ from shardlang.compiler.ir.graph_utils import positions
 from shardlang.compiler.analysis.memory import plan_memory
 from shardlang.compiler.ir.replicate import describe_graph
 from shardlang.compiler.ir.shapes import full_propagation
-from shardlang.job import build, global_batch, load_job
+from shardlang.cli.job import build, global_batch, load_job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.cli import main
 from shardlang.compiler.analysis.cost import op_name
 from shardlang.compiler.analysis.plan_diff import diff_plans
 from shardlang.compiler.analysis.plan_report import communication_check, make_plan
 from shardlang.compiler.analysis.timeline import LANES, chrome_trace
-from shardlang.job import build, global_batch, load_job
+from shardlang.cli.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT, MLP = str(ROOT / "examples" / "gpt.py"), str(ROOT / "examples" / "mlp.py")
@@ -132,7 +132,7 @@ def test_plot_flag_draws_memory_over_the_schedule(tmp_path, capsys):
 
 def test_trace_lanes_render_without_a_browser(tmp_path, gpt2):
     pytest.importorskip("matplotlib")
-    from shardlang.plot import plot_trace
+    from shardlang.cli.plot import plot_trace
 
     png = tmp_path / "trace.png"
     plot_trace(chrome_trace(gpt2.schedule, gpt2.timeline, gpt2.memory), png)
@@ -140,7 +140,7 @@ def test_trace_lanes_render_without_a_browser(tmp_path, gpt2):
 
 
 def test_plotting_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, gpt2):
-    from shardlang import plot
+    from shardlang.cli import plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(sl.ShardlangError, match=re.escape("pip install 'shardlang[plot]'")):

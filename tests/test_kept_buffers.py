@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.memory import PERSISTENT
 from shardlang.compiler.passes.keep_reduction_buffers import is_kept
 

@@ -24,9 +24,9 @@ from torch import nn
 import shardlang as sl
 from shardlang.compiler.layout.flat import Member, member_piece
 from shardlang.compiler.layout.placement import LayoutKind, ParamInfo, Placement
-from shardlang.materialize import Init, materialize_module, module_seed
-from shardlang.ownership import is_released
-from shardlang.weights import WeightFiles
+from shardlang.step.materialize import Init, materialize_module, module_seed
+from shardlang.step.ownership import is_released
+from shardlang.step.weights import WeightFiles
 
 import materialize_workers as w
 import parity
@@ -110,7 +110,7 @@ def no_init_loss(model, batch):
 def test_a_meta_module_without_reset_parameters_is_an_error_before_allocating():
     with torch.device("meta"):
         model = NoInit()
-    with mock.patch("shardlang.materialize._allocate") as allocate, \
+    with mock.patch("shardlang.step.materialize._allocate") as allocate, \
             pytest.raises(sl.SpecError, match=r"module '<root>' \(NoInit\) holds 'gain' on the meta device but has "
                                               r"no reset_parameters\(\)"):
         sl.compile(model, no_init_loss, sl.Spec(sl.Mesh(fsdp=1)), example_batch=torch.ones(2, 4))

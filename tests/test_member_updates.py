@@ -17,7 +17,7 @@ import torch
 
 import shardlang as sl
 from shardlang import api
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.compile import compile_step
 from shardlang.compiler.layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from shardlang.compiler.layout.member_updates import update_members_

@@ -24,10 +24,10 @@ from torch import nn
 
 import memory_workers
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.memory import NO_SCRATCH, Category, gloo_scratch, plan_memory
 from shardlang.compiler.schedule.schedule import OpKind
-from shardlang.job import build, global_batch, load_job
+from shardlang.cli.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")

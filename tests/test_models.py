@@ -116,7 +116,7 @@ def test_gpt_learns_in_ten_steps():
 def test_gpt_example_job_default_size():
     _needs_front_end("gpt_tiny")
     gpt = load_gpt_module()
-    from shardlang.materialize import Init, materialize_module
+    from shardlang.step.materialize import Init, materialize_module
 
     model = gpt.build_model()
     assert all(p.is_meta for p in model.parameters())  # built on meta: shardlang materialises it

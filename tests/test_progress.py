@@ -1,4 +1,4 @@
-"""What a long run shows: the plain lines every K steps, the bar on a terminal, the metrics file (shardlang.progress).
+"""What a long run shows: the plain lines every K steps, the bar on a terminal, the metrics file (shardlang.cli.progress).
 
 The reporter is tested in this process on a world of one; the command line's
 flags once, end to end, on two ranks.
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from shardlang.progress import ProgressOptions, RunReporter, batch_items, peak_memory_bytes
+from shardlang.cli.progress import ProgressOptions, RunReporter, batch_items, peak_memory_bytes
 from shardlang.runtime.dist import DistContext
 
 from test_cli import LOSS_LINE, MLP, shardlang

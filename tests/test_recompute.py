@@ -16,7 +16,7 @@ import parity
 import recompute_workers as rw
 import shardlang as sl
 import strategy_workers
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.errors import CompileError, ScheduleError, SpecError
 from shardlang.compiler.schedule.schedule import OpKind
 from shardlang.compiler.schedule.verify import _check_recompute, verify

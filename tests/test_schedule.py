@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.schedule.schedule import OpKind
 
 from models import CASES, load_gpt_module

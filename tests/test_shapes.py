@@ -1,4 +1,4 @@
-"""Batches of varying shape (shardlang.variants): one graph per shape, one state, ranks may differ in a step."""
+"""Batches of varying shape (shardlang.step.variants): one graph per shape, one state, ranks may differ in a step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shardlang as sl
 import shapes_workers as w
 from models import CASES
 from parity import max_relative_difference
-from shardlang.variants import ShapeWarning
+from shardlang.step.variants import ShapeWarning
 
 STEPS = 4
 

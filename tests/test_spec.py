@@ -18,11 +18,11 @@ from torch import nn
 from shardlang.compiler.errors import ShardlangError, SpecError
 from shardlang.compiler.layout.placement import LayoutKind, MeshShape, Placement
 from shardlang.errors import SpecError as ReexportedSpecError
-from shardlang.layout import Replicate, Shard, layout_from_dict, replicate, shard
-from shardlang.mesh import Mesh
-from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
-from shardlang.spec import Options, ResolvedSpec, Spec
-from shardlang.units import ROOT_UNIT, assign_units, default_units, find_units, unit_label, unit_of
+from shardlang.spec.layout import Replicate, Shard, layout_from_dict, replicate, shard
+from shardlang.spec.mesh import Mesh
+from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
+from shardlang.spec.spec import Options, ResolvedSpec, Spec
+from shardlang.spec.units import ROOT_UNIT, assign_units, default_units, find_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,7 +76,7 @@ def test_errors_reexport_the_compiler_hierarchy():
     assert issubclass(SpecError, ShardlangError) and issubclass(SpecError, ValueError)
 
 
-@pytest.mark.parametrize("module", ["mesh", "layout", "rules", "units", "spec", "errors"])
+@pytest.mark.parametrize("module", ["spec.mesh", "spec.layout", "spec.rules", "spec.units", "spec.spec", "errors"])
 def test_docstring_examples_run(module):
     mod = __import__(f"shardlang.{module}", fromlist=["_"])
     failed, _ = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

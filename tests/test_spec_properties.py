@@ -3,7 +3,7 @@
 The central property: `Spec(...).resolve(model, world)` either succeeds, with
 every parameter placed by the first rule that matches it and the mesh bound to
 the world size, or raises `SpecError`; never another exception. A small oracle
-written independently of `shardlang.spec` predicts which, so a wrong accept or a
+written independently of `shardlang.spec.spec` predicts which, so a wrong accept or a
 wrong reject both fail. Shapes include prime and size-1 dims, 0-d scalars and
 empty tensors; models live on the meta device, so every example is cheap.
 """
@@ -21,9 +21,9 @@ from torch import nn
 
 from shardlang.compiler.errors import SpecError
 from shardlang.compiler.layout.placement import LayoutKind
-from shardlang.layout import replicate, shard
-from shardlang.mesh import Mesh
-from shardlang.spec import Options, Spec
+from shardlang.spec.layout import replicate, shard
+from shardlang.spec.mesh import Mesh
+from shardlang.spec.spec import Options, Spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -105,7 +105,7 @@ def worlds_for(mesh: Mesh) -> st.SearchStrategy:
 
 
 def oracle(mesh: Mesh, rules, params: dict[str, tuple[int, ...]], world: int) -> str | None:
-    """Why resolve must fail, or None when it must succeed; independent of shardlang.spec."""
+    """Why resolve must fail, or None when it must succeed; independent of shardlang.spec.spec."""
     if any(getattr(layout, "axis", None) not in (None, *mesh.axis_names) for _, layout in rules):
         return "axis"
     known = math.prod(s for _, s in mesh.axes if s != -1)

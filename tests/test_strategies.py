@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.formulas import formula_bytes, formula_bytes_by_flat
 from shardlang.compiler.schedule.schedule import OpKind
-from shardlang.strategy import StrategyRule
+from shardlang.spec.strategy import StrategyRule
 
 import parity
 import strategy_workers as w

@@ -27,7 +27,7 @@ from test_cli import ROOT, TORCHRUN_VARS
 
 SLOW_JOB = "tests/jobs/slow_steps.py"  # 0.15 s a step; rank 1 prints one line in step 5
 SHAPE_BUG_JOB = "tests/jobs/shape_bug.py"
-BAR = re.compile(r"\|\s*(\d+)/(\d+) \[")  # tqdm's "| n/total [" in the bar format of shardlang.progress
+BAR = re.compile(r"\|\s*(\d+)/(\d+) \[")  # tqdm's "| n/total [" in the bar format of shardlang.cli.progress
 CLEAR_LINE = "\r\x1b[K"
 
 

@@ -392,7 +392,7 @@ def test_shardlang_check_reference_uses_groups_clipping_schedule_and_seed(tmp_pa
     bad = tmp_path / "bad.py"
     bad.write_text(JOB.replace("lr_schedule = lambda opt:", "lr_schedule = 3 # "))
     with pytest.raises(sl.SpecError, match="lr_schedule is 3, not a function"):
-        from shardlang.job import load_job
+        from shardlang.cli.job import load_job
 
         load_job(bad)
 

@@ -14,9 +14,9 @@ from torch import nn
 import models
 import parity
 import shardlang as sl
-from shardlang.batch import split_batch
+from shardlang.step.batch import split_batch
 from shardlang.compiler.ir.training import per_rank_seed
-from shardlang.training import to_param_groups, torch_param_groups
+from shardlang.spec.training import to_param_groups, torch_param_groups
 
 
 class DropoutMLP(nn.Module):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from shardlang import api  # noqa: E402
 from shardlang.compiler.analysis.cost import ComputeModel, node_bytes, node_flops  # noqa: E402
 from shardlang.compiler.ir.graph_utils import is_alias_op  # noqa: E402
-from shardlang.job import build, global_batch, load_job  # noqa: E402
+from shardlang.cli.job import build, global_batch, load_job  # noqa: E402
 from shardlang.runtime import DistContext, launch  # noqa: E402
 
 PAYLOADS = [1 << k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB

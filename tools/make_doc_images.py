@@ -4,7 +4,7 @@
 
 Writes docs/plan_report.png (the text of ``shardlang plan``), docs/plan_memory.png
 (``--plot``), docs/plan_trace.png (the lanes of ``--chrome-trace``, drawn with
-`shardlang.plot.plot_trace`, since a browser is not at hand) and
+`shardlang.cli.plot.plot_trace`, since a browser is not at hand) and
 docs/run_trace.png (the lanes of a measured ``shardlang run --trace``).
 """
 
@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shardlang import api  # noqa: E402
-from shardlang.batch import split_batch  # noqa: E402
+from shardlang.step.batch import split_batch  # noqa: E402
 from shardlang.compiler.analysis.plan_report import make_plan  # noqa: E402
 from shardlang.compiler.analysis.timeline import chrome_trace  # noqa: E402
-from shardlang.job import build, global_batch, load_job  # noqa: E402
-from shardlang.plot import _pyplot, plot_memory, plot_trace  # noqa: E402
+from shardlang.cli.job import build, global_batch, load_job  # noqa: E402
+from shardlang.cli.plot import _pyplot, plot_memory, plot_trace  # noqa: E402
 
 DOCS = ROOT / "docs"
 GPT = ROOT / "examples" / "gpt.py"

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import shardlang as sl  # noqa: E402
 from shardlang import api  # noqa: E402
 from shardlang.cli.common import split_for_rank  # noqa: E402
-from shardlang.job import build, global_batch, load_job  # noqa: E402
+from shardlang.cli.job import build, global_batch, load_job  # noqa: E402
 
 JOBS = ("mlp", "gpt", "llama", "bert", "resnet")
 

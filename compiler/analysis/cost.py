@@ -152,7 +152,7 @@ class Span:
 
     ``lane`` is "compute" or a collective kind; ``name`` is ``"<op index> <kind>
     <unit>"``, the name the measured trace gives the same op
-    (`shardlang.profile`). A wait's span is the time it blocks: exposed
+    (`shardlang.cli.profile`). A wait's span is the time it blocks: exposed
     communication.
     """
 

@@ -12,7 +12,7 @@ thread per lane, in this order:
 plus instant events on the compute lane where a gathered unit is freed, and two
 counter tracks: ``memory`` (bytes live by `compiler.analysis.memory.Category`, stacked)
 and ``memory total``. Each op's span is named ``"<op index> <kind> <unit>"``,
-the name `shardlang.profile` gives the same op in a measured trace, so the
+the name `shardlang.cli.profile` gives the same op in a measured trace, so the
 planned and the measured timelines can be read side by side.
 
 Example::

@@ -2,7 +2,7 @@
 
 The traced step draws random numbers (dropout's ``bernoulli_``) with aten ops
 that read the default generator of their device when the graph runs. The
-runtime (`shardlang.step`) therefore swaps in a generator state of its own
+runtime (`shardlang.step.step`) therefore swaps in a generator state of its own
 around every call of the graph, seeded from the spec (`RandomScheme`):
 
 - ``PER_RANK``: rank r's state starts from ``per_rank_seed(seed, r)``; each rank

@@ -1,6 +1,6 @@
 """Training features as plain data: clipping, parameter groups, accumulation, random numbers.
 
-The front end (`shardlang.spec`, `shardlang.groups`) turns a user's spec into one
+The front end (`shardlang.spec.spec`, `shardlang.groups`) turns a user's spec into one
 `Training` value; the compiler reads it from `CompileContext.training` and never
 sees the spec syntax. docs/training.md describes each feature, its spec syntax,
 what it adds to the schedule and its formulas.

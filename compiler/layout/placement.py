@@ -1,6 +1,6 @@
 """Plain data the compiler consumes: where each parameter lives and what unit it belongs to.
 
-The front end (`shardlang.spec`) turns a user's spec and model into a tuple of
+The front end (`shardlang.spec.spec`) turns a user's spec and model into a tuple of
 `ParamInfo`; the compiler never sees the spec syntax itself. This keeps the
 dependency one-way (shardlang -> compiler) and lets the compiler be tested with
 hand-built placements.

@@ -18,7 +18,7 @@ import importlib
 __all__ = ["AsyncSave", "CheckpointDir", "Restored", "load", "save", "save_async", "wait_for_saves"]
 
 #: Where each public name lives. Imported on first use: torch.distributed.checkpoint takes 1.4 s to import,
-#: and every ``import shardlang`` reaches this package (`shardlang.step` reads `state_dict`'s key names).
+#: and every ``import shardlang`` reaches this package (`shardlang.step.step` reads `state_dict`'s key names).
 _HOMES = {"CheckpointDir": ".store", **{name: ".saving" for name in __all__ if name != "CheckpointDir"}}
 
 

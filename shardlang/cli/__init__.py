@@ -1,10 +1,10 @@
-"""The command line: ``shardlang run | plan | diff | check`` on a job file (see `shardlang.job`), and ``export``.
+"""The command line: ``shardlang run | plan | diff | check`` on a job file (see `shardlang.cli.job`), and ``export``.
 
 - ``shardlang run FILE --nproc N [--trace PATH]``: train on N local CPU ranks
   (gloo), or on the ranks torchrun started (when WORLD_SIZE is set); rank 0
   prints the global loss of each step, then the schedule's summary and table;
   with ``--trace``, the last steps are profiled into a Chrome trace whose ranges
-  carry the schedule's op names (`shardlang.profile`).
+  carry the schedule's op names (`shardlang.cli.profile`).
 - ``shardlang plan FILE --world N [--json] [--chrome-trace PATH] [--plot PNG]``:
   compile for N ranks with fake tensors, no processes; print the plan (schedule,
   memory per op and its peak, communication against the formulas, predicted

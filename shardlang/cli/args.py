@@ -99,7 +99,7 @@ def byte_size(text: str) -> int:
 
 def recompute_rule(text: str) -> tuple[str, str]:
     """``PATTERN=POLICY`` as a ``(pattern, policy)`` pair. Example: ``recompute_rule("layers.*=full")``."""
-    from ..recompute import to_policy
+    from ..spec.recompute import to_policy
     from ..errors import SpecError
 
     pattern, sep, policy = text.partition("=")

@@ -2,7 +2,7 @@
 
 Trains sharded at each world size and once in one process with ``torch.optim``
 on the same global batches, compares the parameters at the scale of what
-training could move them (`shardlang.compare`, Note [scale of a parameter])
+training could move them (`shardlang.cli.compare`, Note [scale of a parameter])
 against the tolerance for the dtype and optimizer (`tolerance`, Note [check
 tolerance]), and exits 1 when a world size is outside it. A model built on the
 meta device is materialised whole for the reference through the same
@@ -22,14 +22,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import api
-from ..compare import Movement, relative_difference, scaled_difference
+from .compare import Movement, relative_difference, scaled_difference
 from ..compiler.lower.backend import StepBackend
 from ..compiler.layout.optim import Adam
 from ..errors import SpecError
-from ..job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
+from .job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
-from ..training import torch_param_groups
+from ..spec.training import torch_param_groups
 from .args import positive, world_sizes
 from .common import global_mean, shown, split_for_rank, threads_per_rank
 
@@ -40,7 +40,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # training and the one-process torch.optim reference, by dtype and optimizer. The
 # measure is, per parameter, max|sharded - reference| / scale, with scale the
 # largest of the parameter's initial and final size and the run's total movement
-# (Note [scale of a parameter] in shardlang/compare.py), and the max over
+# (Note [scale of a parameter] in shardlang/cli/compare.py), and the max over
 # parameters. The two computations differ only in rounding: the order of
 # additions (gradients summed across ranks, then divided) and how the optimizer's
 # factors are grouped. Measured with the older measure, max|sharded - reference| /

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..batch import split_batch
+from ..step.batch import split_batch
 from ..errors import ShardlangRuntimeError
-from ..job import Job, global_batch, load_job
+from .job import Job, global_batch, load_job
 from ..runtime.dist import DistContext
 
 

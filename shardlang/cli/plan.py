@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .. import api
 from ..compiler.analysis import cost
-from ..job import build, global_batch, load_job
+from .job import build, global_batch, load_job
 from .args import add_model_arguments, byte_size, cost_model, nonnegative_int, output_file, positive, recompute_rule
 from .common import eval_example, shown, split_for_rank
 
@@ -91,7 +91,7 @@ def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None 
     ``memory_budget`` and ``recompute`` (a list of ``(pattern, policy)``)
     override the job's spec when given. With a memory budget the plan of step
     K searches for K's shape; a running step keeps what its first batch chose
-    (Note [same collectives for every shape] in `shardlang.variants`). With ``evaluate``, the plan
+    (Note [same collectives for every shape] in `shardlang.step.variants`). With ``evaluate``, the plan
     of the step's evaluation, on ``make_eval_batch(0)``'s shapes when the job defines it.
     """
     from ..compiler.analysis.plan_report import make_plan
@@ -126,7 +126,7 @@ def _write_pictures(args, plan) -> None:
         write_chrome_trace(args.chrome_trace, plan.schedule, plan.timeline, plan.memory)
         print(f"wrote the predicted timeline to {args.chrome_trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     if args.plot:
-        from ..plot import plot_memory
+        from .plot import plot_memory
 
         plot_memory(plan, args.plot)
         print(f"wrote memory over the schedule to {args.plot}", file=sys.stderr)

@@ -7,8 +7,8 @@ WORLD_SIZE is set); rank 0 prints the global loss of each step, then the
 schedule's summary and table, and last the line
 ``peak memory per rank: init <A> MiB, training <B> MiB`` (`shardlang.runtime.peak_memory`).
 A model built on the meta device is materialised unit by unit
-(`shardlang.materialize`); ``--weights`` loads pretrained weights shard by shard. With ``--trace``, the last steps are profiled into
-a Chrome trace whose ranges carry the schedule's op names (`shardlang.profile`).
+(`shardlang.step.materialize`); ``--weights`` loads pretrained weights shard by shard. With ``--trace``, the last steps are profiled into
+a Chrome trace whose ranges carry the schedule's op names (`shardlang.cli.profile`).
 With ``--checkpoint-dir D``, the run saves ``D/step-<k>`` every
 ``--checkpoint-every`` steps and after the last (``--keep N`` newest kept,
 ``--async-save`` in the background); ``--resume`` first loads the latest
@@ -48,8 +48,8 @@ from ..checkpoint import CheckpointDir
 from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
 from ..errors import CheckpointError, NonFiniteError, SpecError
-from ..job import Job, build, global_batch, init_of, load_job
-from ..progress import ProgressOptions, RunReporter
+from .job import Job, build, global_batch, init_of, load_job
+from .progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
@@ -259,10 +259,10 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
     """Compile and train up to step ``steps`` on this rank; rank 0 prints the global losses and the schedule.
 
     With ``trace``, the last `TRACED_STEPS` steps (never the first, which warms up) run under the
-    profiler and each rank writes its Chrome trace (`shardlang.profile`). With a checkpoint
+    profiler and each rank writes its Chrome trace (`shardlang.cli.profile`). With a checkpoint
     directory, checkpoints are saved (and with ``resume`` the latest is loaded first: the run
     continues from its data position, and the step numbering with it). ``weights`` loads pretrained
-    weights (`shardlang.weights`). The last line is the peak memory per rank (`shardlang.runtime.peak_memory`).
+    weights (`shardlang.step.weights`). The last line is the peak memory per rank (`shardlang.runtime.peak_memory`).
     """
     steps, seed, trace, eval_every, max_nonfinite = (flags.steps, flags.seed, flags.trace, flags.eval_every,
                                                      flags.max_nonfinite)
@@ -292,7 +292,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
             by = ("not written by shardlang" if restored.world_size is None else
                   f"written by {restored.world_size} rank{'s' if restored.world_size != 1 else ''}")
             say(f"resumed from {restored.path} (step {restored.steps}, {by})")
-    reporter = RunReporter(ctx, steps, progress, first=first)  # how steps are reported (shardlang.progress)
+    reporter = RunReporter(ctx, steps, progress, first=first)  # how steps are reported (shardlang.cli.progress)
     training = time.perf_counter()
     traced_from = max(first + 1, steps - TRACED_STEPS) if trace else steps
     nonfinite_steps = 0
@@ -300,7 +300,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
     run_step = step
     for k in range(first, steps):
         if k == traced_from and trace:
-            from ..profile import rank_path, trace_steps
+            from .profile import rank_path, trace_steps
 
             run_step = tracing.enter_context(trace_steps(step, rank_path(trace, ctx.rank)))
         batch = split_for_rank(job, global_batch(job, k), ctx.world_size, ctx.rank, k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import ShardlangRuntimeError, SpecError
+from ..errors import ShardlangRuntimeError, SpecError
 
 
 def split_batch(global_batch, world_size: int, rank: int):

@@ -1,9 +1,9 @@
 """`Spec`: how a model's parameters are laid out over a mesh, and `ResolvedSpec`, a spec met with a model.
 
-A spec has four parts: the mesh (`shardlang.mesh`), the rules that give each
-parameter a layout (`shardlang.rules`), the units that are gathered together
-(`shardlang.units`), and `Options`; optionally, per unit, a strategy
-(`shardlang.strategy`) and a recompute policy (`shardlang.recompute`). It is written in Python::
+A spec has four parts: the mesh (`shardlang.spec.mesh`), the rules that give each
+parameter a layout (`shardlang.spec.rules`), the units that are gathered together
+(`shardlang.spec.units`), and `Options`; optionally, per unit, a strategy
+(`shardlang.spec.strategy`) and a recompute policy (`shardlang.spec.recompute`). It is written in Python::
 
     spec = Spec(
         mesh=Mesh(fsdp=4),
@@ -29,15 +29,15 @@ from torch import nn
 
 from shardlang.compiler.errors import SpecError
 from shardlang.compiler.layout.placement import MeshShape, ParamInfo, Placement, Recompute, Strategy
-from shardlang.layout import Layout, Replicate, Shard, shard
-from shardlang.mesh import Mesh, check_world_size
-from shardlang.precision import MixedPrecision
+from shardlang.spec.layout import Layout, Replicate, Shard, shard
+from shardlang.spec.mesh import Mesh, check_world_size
+from shardlang.spec.precision import MixedPrecision
 from shardlang.compiler.lower.backend import StepBackend
-from shardlang.rules import Rule, first_match, rule_from_dict, to_rules
-from shardlang import training
-from shardlang.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
-from shardlang.strategy import StrategyRule, strategy_repr, strategy_rule_from_dict, to_strategies
-from shardlang.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
+from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
+from shardlang.spec import training
+from shardlang.spec.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
+from shardlang.spec.strategy import StrategyRule, strategy_repr, strategy_rule_from_dict, to_strategies
+from shardlang.spec.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,12 +196,12 @@ class Spec:
     ``rules`` defaults to ``[("*", shard(<last mesh axis>))]``: every parameter
     sharded flat. ``units`` defaults to None: the repeated children of every
     ModuleList / Sequential. ``strategies`` and ``recompute`` are
-    ``(unit pattern, value)`` pairs, first match wins (`shardlang.strategy`,
-    `shardlang.recompute`), e.g. ``recompute=[("blocks.*", "full")]``. Lists
+    ``(unit pattern, value)`` pairs, first match wins (`shardlang.spec.strategy`,
+    `shardlang.spec.recompute`), e.g. ``recompute=[("blocks.*", "full")]``. Lists
     become tuples; everything is checked here, and again against the model in `resolve`. ``source`` says where the spec came from
     (a file, a table) for error messages; it is not part of the value. Example::
 
-        >>> from shardlang.layout import replicate, shard
+        >>> from shardlang.spec.layout import replicate, shard
         >>> spec = Spec(Mesh(fsdp=4), rules=[("ln*", replicate()), ("*", shard("fsdp"))], units=["blocks.*"])
         >>> spec.rules
         (Rule('ln*', replicate()), Rule('*', shard('fsdp')))
@@ -234,7 +234,7 @@ class Spec:
         ``pattern``, ``layout`` = ``"shard"`` / ``"replicate"``, and for shard ``axis``
         and an optional ``dim``), ``units`` (a list of patterns), ``options``. Example::
 
-            >>> from shardlang.layout import replicate, shard
+            >>> from shardlang.spec.layout import replicate, shard
             >>> spec = Spec.from_dict({
             ...     "mesh": {"fsdp": 4},
             ...     "rules": [

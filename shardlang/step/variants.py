@@ -7,7 +7,7 @@ the same step. A `Step` therefore keeps one *variant* per distinct per-rank
 batch signature (the batch's structure and each leaf's shape and dtype),
 compiled on first sight by a `Recipe` that repeats the first compilation with
 the new example batch, and bound to the same state (Note [one state, many
-graphs] in `shardlang.state`).
+graphs] in `shardlang.step.state`).
 
 Note [same collectives for every shape]: every variant on every rank must issue
 the same collectives in the same order, or ranks holding different shapes in
@@ -38,9 +38,9 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from .compiler.compile import CompiledStep
-from .compiler.ir.trace import TensorShape
-from .errors import ShardlangRuntimeError
+from ..compiler.compile import CompiledStep
+from ..compiler.ir.trace import TensorShape
+from ..errors import ShardlangRuntimeError
 
 #: Distinct batch shapes a step compiles before `ShapeWarning` (torch.compile's cache_size_limit is also 8).
 DEFAULT_SHAPE_LIMIT = 8
@@ -94,7 +94,7 @@ class Recipe:
 
     model: torch.nn.Module
     loss_fn: Callable
-    resolved: object  # shardlang.spec.ResolvedSpec
+    resolved: object  # shardlang.spec.spec.ResolvedSpec
     optimizer: object
     compile_at: Callable[..., CompiledStep]
     buffers: dict[str, TensorShape]

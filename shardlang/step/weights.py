@@ -18,7 +18,7 @@ Names: the file may name a tied parameter by any of its names
 (``model.named_parameters(remove_duplicate=False)``): GPT-2 checkpoints keep
 ``lm_head.weight`` or ``wte.weight``, not both. Buffers are loaded when the
 file has them (BatchNorm statistics); a buffer it lacks keeps the model's value
-or, on the meta device, is initialised (`shardlang.materialize`).
+or, on the meta device, is initialised (`shardlang.step.materialize`).
 
 Example::
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from .compiler.layout.flat import Member
-from .compiler.layout.placement import LayoutKind
-from .errors import SpecError
+from ..compiler.layout.flat import Member
+from ..compiler.layout.placement import LayoutKind
+from ..errors import SpecError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

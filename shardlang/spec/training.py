@@ -16,7 +16,7 @@ optimizer's own hyperparameters. A group overrides any of them, as a
     )
 
 The options that go with them (``clip_grad_norm``, ``microbatches``,
-``accumulation``, ``random``, ``seed``) live in `shardlang.spec.Options`; the
+``accumulation``, ``random``, ``seed``) live in `shardlang.spec.spec.Options`; the
 checks for their values are here. docs/training.md has the whole story.
 """
 
@@ -29,9 +29,9 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from .compiler.layout.optim import GROUP_KEYS
-from .compiler.ir.training import Accumulation, RandomScheme, Training
-from .errors import SpecError
+from ..compiler.layout.optim import GROUP_KEYS
+from ..compiler.ir.training import Accumulation, RandomScheme, Training
+from ..errors import SpecError
 
 __all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "torch_param_groups",
            "training_of"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .errors import SpecError
+from ..errors import SpecError
 
 _NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

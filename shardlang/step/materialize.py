@@ -53,11 +53,11 @@ import attrs
 import torch
 from torch import nn
 
-from .compiler.compile import CompiledStep
-from .compiler.layout.flat import FlatParam, member_piece, slice_spans
-from .errors import SpecError
+from ..compiler.compile import CompiledStep
+from ..compiler.layout.flat import FlatParam, member_piece, slice_spans
+from ..errors import SpecError
 from .state import TrainState, optimizer_slice, shard_coordinate
-from .units import ROOT_UNIT, unit_label, unit_of
+from ..spec.units import ROOT_UNIT, unit_label, unit_of
 from .weights import WeightFiles
 
 InitWeights = Callable[[nn.Module], None]
@@ -71,7 +71,7 @@ class Init:
     - ``init_weights(module)``: called on every module that owns a meta tensor, after its
       ``reset_parameters()`` (if any); for models that initialise differently (a Hugging Face
       model's ``_init_weights``).
-    - ``weights``: a safetensors file or a Hugging Face checkpoint directory (`shardlang.weights`);
+    - ``weights``: a safetensors file or a Hugging Face checkpoint directory (`shardlang.step.weights`);
       every parameter is read from it, and the buffers it holds.
 
     Example: ``Init(seed=0, init_weights=model._init_weights)``.

@@ -1,7 +1,7 @@
 """The compiled step a rank runs: the bound graph over this rank's `TrainState`.
 
 The state (shards, optimizer state, step count, lr inputs, buffers) lives in
-`shardlang.state` (Note [one state, many graphs]); the step binds the compiled
+`shardlang.step.state` (Note [one state, many graphs]); the step binds the compiled
 graph to this rank's process groups and runs it on that state.
 """
 
@@ -16,25 +16,25 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
-from .compiler.lower import collectives
-from .compiler.lower.backend import StepBackend, compile_graph
-from .compiler.compile import CompiledStep
-from .compiler.lower.emit import WORLD_AXIS, bind, group_keys
-from .compiler.layout.flat import unpack_member
-from .compiler.ir.graph_utils import sl_tag
-from .compiler.layout.optim import hyper_name
-from .compiler.schedule.schedule import Schedule
-from .errors import ShardlangRuntimeError, SpecError
+from ..compiler.lower import collectives
+from ..compiler.lower.backend import StepBackend, compile_graph
+from ..compiler.compile import CompiledStep
+from ..compiler.lower.emit import WORLD_AXIS, bind, group_keys
+from ..compiler.layout.flat import unpack_member
+from ..compiler.ir.graph_utils import sl_tag
+from ..compiler.layout.optim import hyper_name
+from ..compiler.schedule.schedule import Schedule
+from ..errors import ShardlangRuntimeError, SpecError
 from .evaluate import Evaluation, Evaluations, structure_of
 from .lr import LRSchedule
 from .ownership import reclaim
 from .random_state import StepRandom
-from .runtime.dist import Backend, DistContext
-from .runtime.dist import check_timeout
-from .runtime.groups import mesh_groups
-from .runtime.watch import StepWatch
+from ..runtime.dist import Backend, DistContext
+from ..runtime.dist import check_timeout
+from ..runtime.groups import mesh_groups
+from ..runtime.watch import StepWatch
 from .state import TrainState, optimizer_slice, shard_coordinate
-from .checkpoint.state_dict import ModelNames
+from ..checkpoint.state_dict import ModelNames
 from .variants import DEFAULT_SHAPE_LIMIT, Recipe, Variants
 
 
@@ -354,7 +354,7 @@ class Step:
 
         Example: ``step.save("ckpt/step-3")``.
         """
-        from .checkpoint import save
+        from ..checkpoint import save
 
         return save(self, path, data_position=data_position)
 
@@ -363,7 +363,7 @@ class Step:
 
         The state is copied first, between steps, so later steps do not change what is written.
         """
-        from .checkpoint import save_async
+        from ..checkpoint import save_async
 
         return save_async(self, path, data_position=data_position)
 
@@ -375,7 +375,7 @@ class Step:
             restored = step.load("ckpt/step-3")
             for k in range(restored.data_position, total): step(batch_for(k))
         """
-        from .checkpoint import load
+        from ..checkpoint import load
 
         return load(self, path)
 
@@ -476,7 +476,7 @@ def _check_same_schedule(schedule: Schedule, ctx: DistContext) -> None:
 
     Only the sequence of collectives is compared (`Schedule.collectives_digest`):
     ranks may hold batches of different shapes, which change compute, not
-    collectives (Note [same collectives for every shape] in `shardlang.variants`).
+    collectives (Note [same collectives for every shape] in `shardlang.step.variants`).
     """
     digests: list = [None] * ctx.world_size
     dist.all_gather_object(digests, schedule.collectives_digest())

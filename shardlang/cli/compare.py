@@ -40,7 +40,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .errors import ShardlangRuntimeError
+from ..errors import ShardlangRuntimeError
 
 
 @attrs.define

@@ -42,12 +42,12 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from .compiler.layout.optim import SGD, Adam, AdamW
-from .errors import ShardlangError, SpecError
-from .materialize import Init, has_meta, materialize_module
-from .mesh import Mesh
-from .ownership import convert_floating
-from .spec import Spec
+from ..compiler.layout.optim import SGD, Adam, AdamW
+from ..errors import ShardlangError, SpecError
+from ..step.materialize import Init, has_meta, materialize_module
+from ..spec.mesh import Mesh
+from ..step.ownership import convert_floating
+from ..spec.spec import Spec
 
 JOB_FORM = """\
 a job file defines, at module level:
@@ -98,9 +98,9 @@ class Job:
     spec: Spec = attrs.field(factory=default_spec)
     optimizer: SGD | Adam | AdamW = attrs.field(factory=default_optimizer)
     dtype: torch.dtype | None = None
-    lr_schedule: Callable | None = None  # torch optimizer -> LRScheduler (`shardlang.lr`)
-    init_weights: Callable[[torch.nn.Module], None] | None = None  # `shardlang.materialize.Init`
-    weights: Path | None = None  # pretrained weights (`shardlang.weights`), resolved against the job's directory
+    lr_schedule: Callable | None = None  # torch optimizer -> LRScheduler (`shardlang.step.lr`)
+    init_weights: Callable[[torch.nn.Module], None] | None = None  # `shardlang.step.materialize.Init`
+    weights: Path | None = None  # pretrained weights (`shardlang.step.weights`), resolved against the job's directory
     make_eval_batch: Callable[[int], Any] | None = None  # the global validation batch after `step` steps
 
 
@@ -196,7 +196,7 @@ def global_batch(job: Job, step: int, dtype: torch.dtype | None = None, evaluati
 def reference_optimizer(opt: SGD | Adam | AdamW, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer with the semantics of shardlang's ``opt``, over ``params``.
 
-    ``params`` are parameters, or torch param-group dicts (`shardlang.training.torch_param_groups`).
+    ``params`` are parameters, or torch param-group dicts (`shardlang.spec.training.torch_param_groups`).
 
     Used by ``shardlang check`` as the single-process reference.
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .runtime.dist import DistContext
+from ..runtime.dist import DistContext
 
 MIB = 2**20
 FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # the size assumed for a terminal that reports none

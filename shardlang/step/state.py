@@ -9,13 +9,13 @@ for evaluation) reads and mutates these same tensors in place, in the order of
 `compiler.ir.trace` (FLAT, STATE, STEP, HYPER, BUFFER). Nothing else keeps a
 copy: checkpoints read and write the state here, and the user's module is not
 a second holder: `compile` moves it to meta (Note [the step owns the state] in
-`shardlang.ownership`; docs/architecture.md, "Who holds which bytes").
+`shardlang.step.ownership`; docs/architecture.md, "Who holds which bytes").
 
 Note [initialisation]: `TrainState.from_module` cuts this rank's shards from a
 module that holds full values. Every rank builds the same model (same seed),
 so parameters start equal to what one process would have, which is what the
 parity tests rely on. A model on the meta device holds no values:
-`shardlang.materialize` builds its state one unit at a time instead, and
+`shardlang.step.materialize` builds its state one unit at a time instead, and
 hands the flat tensors to `TrainState.fresh` (Note [materialisation]).
 """
 
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from .compiler.compile import CompiledStep
-from .compiler.layout.flat import FlatParam, shard_of
-from .compiler.layout.optim import hyper_tensors, init_state
+from ..compiler.compile import CompiledStep
+from ..compiler.layout.flat import FlatParam, shard_of
+from ..compiler.layout.optim import hyper_tensors, init_state
 
 
 def shard_coordinate(compiled: CompiledStep, rank: int) -> Callable[[FlatParam], int]:

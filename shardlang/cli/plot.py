@@ -6,7 +6,7 @@ imported only when a picture is drawn, and a missing matplotlib is a
 
 Example::
 
-    from shardlang.plot import plot_memory, plot_trace
+    from shardlang.cli.plot import plot_memory, plot_trace
     plot_memory(plan, "memory.png")            # plan: compiler.analysis.plan_report.Plan
     plot_trace("plan_trace.json", "trace.png")  # a trace from `shardlang plan --chrome-trace`
 """
@@ -17,9 +17,9 @@ import json
 import os
 import re
 
-from .compiler.analysis.memory import Category
-from .compiler.schedule.schedule import OpKind
-from .errors import ShardlangError
+from ..compiler.analysis.memory import Category
+from ..compiler.schedule.schedule import OpKind
+from ..errors import ShardlangError
 
 INSTALL_HINT = "pip install 'shardlang[plot]'"
 _PHASE_SHADE = {"forward": "#f2f7ff", "backward": "#fff6ee", "optimizer": "#f3fbf3"}

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import SpecError
+from ..errors import SpecError
 
 
 class LRSchedule:

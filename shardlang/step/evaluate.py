@@ -31,11 +31,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .batch import batch_leaves
-from .compiler.compile import CompiledStep
-from .compiler.evaluate import compile_eval
-from .compiler.schedule.schedule import Schedule
-from .errors import ShardlangRuntimeError
-from .runtime.dist import DistContext
+from ..compiler.compile import CompiledStep
+from ..compiler.evaluate import compile_eval
+from ..compiler.schedule.schedule import Schedule
+from ..errors import ShardlangRuntimeError
+from ..runtime.dist import DistContext
 from .state import TrainState
 
 

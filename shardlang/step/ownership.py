@@ -35,7 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from .errors import ShardlangRuntimeError
+from ..errors import ShardlangRuntimeError
 
 _GUARD = "_shardlang_released"  # the attribute that holds the forward pre-hook's handle
 
