@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 import shardlang as sl
-from shardlang.compiler.lower import collectives
+from shardlang.compiler.ir import collectives
 
 import step_workers
 

@@ -74,7 +74,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from ..lower import collectives
+from ..ir import collectives
 from ..lower.emit import made_in_place
 from ..ir.graph_utils import sl_tag
 from ..layout.member_updates import member_gradients_of, update_members_

@@ -1,6 +1,6 @@
 """Emit: bind the abstract collectives of a compiled graph to real process groups.
 
-The compiler works against axis names (`compiler.lower.collectives`); binding swaps
+The compiler works against axis names (`compiler.ir.collectives`); binding swaps
 each abstract collective for the ``torch.ops._c10d_functional`` op on the
 process group that serves its axis. Issue and wait stay separate nodes, so an
 issued collective runs while the compute between them does (async on gloo's
@@ -31,7 +31,7 @@ import types
 import torch
 import torch.fx as fx
 
-from . import collectives
+from ..ir import collectives
 from ..errors import CompileError
 from ..layout.flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
 from ..ir.graph_utils import sl_tag

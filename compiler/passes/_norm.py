@@ -22,7 +22,7 @@ from .context import CompileContext
 from ..lower.emit import WORLD_AXIS as WORLD
 from ..ir.graph_utils import sl_tag, tag
 from ..ir.trace import Phase
-from ..lower import collectives
+from ..ir import collectives
 
 _aten = torch.ops.aten
 

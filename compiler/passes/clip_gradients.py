@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..ir.graph_utils import positions, tag
 from ..ir.trace import Phase

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..layout.flat import unpack_member
 from ..ir.graph_utils import first_user, placeholders_by_flat, positions, tag

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..ir.graph_utils import placeholders_by_flat, positions, tag
 from ..layout.placement import Strategy

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from ..lower.backend import StepBackend
 from .context import CompileContext
 from ..layout.flat import is_new_flat_buffer

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from ..ir.graph_utils import positions, set_phase, sl_tag, tag

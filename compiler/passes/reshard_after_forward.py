@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
 from ..layout.placement import Strategy

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from .context import CompileContext
 from ..errors import CompileError
 from ..ir.graph_utils import positions, tag

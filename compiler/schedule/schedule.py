@@ -31,7 +31,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from ..lower import collectives
+from ..ir import collectives
 from ..passes.context import CompileContext
 from ..ir.graph_utils import alias_closure, sl_tag, unpack_copies
 from ..layout.member_updates import written_in_place

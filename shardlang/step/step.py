@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
-from ..compiler.lower import collectives
+from ..compiler.ir import collectives
 from ..compiler.lower.backend import StepBackend, compile_graph
 from ..compiler.compile import CompiledStep
 from ..compiler.lower.emit import WORLD_AXIS, bind, group_keys
