@@ -31,7 +31,7 @@ MiB = 2**20
 RING = {"all_gather": "gather", "reduce_scatter": "gather", "broadcast": "gather", "all_to_all": "gather",
         "all_reduce": "reduce"}
 LOSS_TOLERANCE = 1e-4  # relative; float32 with AdamW, a few steps (see docs/benchmarks.md)
-# The targets of issue 11 (docs/benchmarks.md): step-time ratios, throughput gains, the exposed share.
+# The targets (docs/benchmarks.md, "Where the targets stand"): step-time ratios, throughput gains, the exposed share.
 ZERO3_VS_FSDP2 = 0.70
 SINGLE_SLACK = 1.03
 INDUCTOR_VS_FSDP2 = 1.6
