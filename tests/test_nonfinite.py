@@ -81,3 +81,10 @@ def test_with_skip_nonfinite_the_run_counts_and_goes_on(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "step 2: loss nan; gradient norm nan" in out and "update skipped (1 so far)" in out
     assert "step 4/4" in out and "trained 4 steps" in out
+
+
+def test_run_stops_on_every_rank_when_the_step_is_not_reported():
+    # --log-every 10: step 2 is not gathered for a line, so the ranks decide with one all-reduce of their own.
+    result = shardlang("run", NAN_JOB, "--nproc", "2", "--steps", "4", "--log-every", "10")
+    assert result.returncode == 1, result.stderr
+    assert "step 2: " in result.stdout and "NonFiniteError: step 2:" in result.stderr

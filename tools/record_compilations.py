@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -65,17 +67,19 @@ def configurations() -> list[tuple[str, str, int, dict]]:
 
 def canonical(code: str) -> str:
     """Graph code with the compiler's own functions named without their module (FX names a call
-    ``shardlang_compiler_lower_collectives_wait``): a module that moves changes no record."""
-    import importlib
-    import pkgutil
+    ``shardlang_compiler_ir_collectives_wait``): a module that moves changes no record."""
+    for prefix in _module_prefixes():
+        code = code.replace(prefix, "")
+    return code
 
+
+@functools.cache
+def _module_prefixes() -> tuple[str, ...]:
+    """``shardlang_compiler_<module>_`` for every compiler module, longest first."""
     import shardlang.compiler
 
-    modules = [m.name for m in pkgutil.walk_packages(shardlang.compiler.__path__, "shardlang.compiler.")]
-    for name in sorted(modules, key=len, reverse=True):
-        importlib.import_module(name)
-        code = code.replace(name.replace(".", "_") + "_", "")
-    return code
+    names = [m.name for m in pkgutil.walk_packages(shardlang.compiler.__path__, "shardlang.compiler.")]
+    return tuple(name.replace(".", "_") + "_" for name in sorted(names, key=len, reverse=True))
 
 
 def record(job_name: str, world: int, changes: dict) -> dict[str, object]:

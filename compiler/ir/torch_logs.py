@@ -65,10 +65,6 @@ class KeptLogs(logging.Filter):
             return False
         return True
 
-    def text(self) -> str:
-        """The kept records, formatted as torch's handler would (one per line)."""
-        return "\n".join(f"{r.levelname} {r.name}: {r.getMessage()}" for r in self.records)
-
 
 @contextlib.contextmanager
 def captured_torch_logs() -> Iterator[KeptLogs]:

@@ -161,11 +161,10 @@ def _write_file(path: Path, file: Path, tensors: dict[str, TensorStorageMetadata
                 tensor = read_tensor(path, name, md).contiguous()
                 f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
         tmp.replace(file)
-    except OSError as exc:
+    except BaseException as exc:  # no half-written file stays behind
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"writing {file} failed: {exc.strerror or exc}", path=file) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"writing {file} failed: {exc.strerror or exc}", path=file) from None
         raise
     return offset
 

@@ -61,8 +61,8 @@ class Periodic:
 
         path = self.directory.path_for(steps_done)
         self._settle(step)  # no save in flight from here on
-        if step.dist.rank == 0:
-            self.directory.remove_unfinished()  # what a killed save left behind
+        if step.dist.rank == 0 and not self.saved:  # what a killed run left; this run's failed saves clean up
+            self.directory.remove_unfinished()
         run = self.directory.run_id
         if self.asynchronous:
             self.pending = save_async(step, path, data_position=steps_done, run=run)

@@ -260,20 +260,22 @@ def replaced(path: Path) -> Path:
 
 def steps_of(path: Path) -> int | None:
     """The steps done that ``path``'s manifest records (None when it records none, or cannot be read)."""
-    try:
-        steps = json.loads((path / MANIFEST).read_text()).get("steps")
-    except (OSError, ValueError, AttributeError):
-        return None
+    steps = _recorded(path, "steps")
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def run_of(path: Path) -> str | None:
     """The run id in ``path``'s manifest (None when it has none, or it cannot be read)."""
+    run = _recorded(path, "run")
+    return run if isinstance(run, str) else None
+
+
+def _recorded(path: Path, key: str) -> object:
+    """``key`` of ``path``'s manifest, unchecked; None when the manifest cannot be read."""
     try:
-        run = json.loads((path / MANIFEST).read_text()).get("run")
+        return json.loads((path / MANIFEST).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return run if isinstance(run, str) else None
 
 
 def check_directory(root: Path, flag: str = "--checkpoint-dir") -> None:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from ..runtime.dist import DistContext
+from ..runtime.worker import is_terminal
 
 MIB = 2**20
 FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # the size assumed for a terminal that reports none
@@ -123,7 +124,7 @@ class RunReporter:
         self._steps = steps
         self._first = first  # steps done before this run (resumed from a checkpoint)
         self._out = out if out is not None else sys.stdout
-        self._bar_shown = self._agree(options.bar if options.bar is not None else _is_terminal(self._out))
+        self._bar_shown = self._agree(options.bar if options.bar is not None else is_terminal(self._out))
         self._log_every = options.log_every if options.log_every is not None else (None if self._bar_shown else 1)
         self._started = time.perf_counter()
         self._metrics = open(options.metrics, "w", buffering=1) if options.metrics and ctx.is_main else None  # noqa: SIM115
@@ -243,10 +244,3 @@ def _terminal_columns(stream: IO[str]) -> int:
         return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
         return 0
-
-
-def _is_terminal(stream: IO[str]) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

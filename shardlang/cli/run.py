@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import uuid
@@ -311,7 +312,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
         elapsed = time.perf_counter() - begin
         reporter.step(k + 1, loss, elapsed, batch, note="(profiled)" if run_step is not step else "")
         nonfinite = step.nonfinite_report(loss)
-        if _on_any_rank(nonfinite is not None, ctx):  # every rank decides alike (its loss is its own)
+        if _nonfinite_anywhere(nonfinite is not None, reporter.last, k + 1, step, ctx):
             nonfinite_steps += 1
             reporter.warn(f"step {k + 1}: {nonfinite or 'not finite on another rank'}")
             limit = _nonfinite_limit(max_nonfinite, step)
@@ -348,6 +349,16 @@ def _nonfinite_limit(max_nonfinite: int | None, step) -> int | None:
     if max_nonfinite is not None:
         return max_nonfinite
     return None if step.compiled.context.training.skip_nonfinite else 1
+
+
+def _nonfinite_anywhere(here: bool, record: dict | None, k: int, step, ctx: DistContext) -> bool:
+    """Whether step ``k``'s loss or gradient norm was inf or nan on any rank, decided alike on every rank (a
+    rank's loss is its own rows'): from the losses the reporter gathered from every rank when it did so for
+    step ``k`` (their mean is not finite when one is; the norm is global), else one small all-reduce."""
+    if record is not None and record["step"] == k:
+        norm = step.grad_norm
+        return not (math.isfinite(record["loss"]) and (norm is None or math.isfinite(float(norm))))
+    return _on_any_rank(here, ctx)
 
 
 def _on_any_rank(flag: bool, ctx: DistContext) -> bool:

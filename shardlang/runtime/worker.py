@@ -198,7 +198,7 @@ class _PrefixedStream(io.TextIOBase):
         self.inner = inner
         self._prefix = prefix
         self._partial = ""
-        self._start = CLEAR_LINE + prefix if _is_terminal(inner) else prefix
+        self._start = CLEAR_LINE + prefix if is_terminal(inner) else prefix
 
     def write(self, text: str) -> int:
         *lines, self._partial = (self._partial + text).split("\n")
@@ -227,7 +227,8 @@ class _PrefixedStream(io.TextIOBase):
         return getattr(self.inner, "encoding", "utf-8")
 
 
-def _is_terminal(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (False for streams that cannot say)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
