@@ -24,15 +24,18 @@ from .layout.bucket import bucket_flat_params
 from .passes.context import CompileContext
 from .layout.flat import FlatParam, build_flat_params
 from .ir.lazy_code import graph_module
+from .passes.contract import GraphProperty
 from .passes.pipeline import DEFAULT_PASSES, run_passes
-from .layout.placement import MeshShape, ParamInfo, Recompute, Strategy
+from .layout.placement import MeshShape, ParamInfo
+from shardlang.spec.vocabulary import Recompute, Strategy
 from .schedule.schedule import Schedule, read_schedule
 from .ir.shapes import remember_shapes, shape_memo
 from .ir.replicate import trace_step_replicated
 from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.optim import GroupedOptimizer
 from .ir.training import Training, split_by_group
-from .schedule.verify import verify
+from .schedule.verify import verify, verify_structure
+from .ir.tags import verify_tags
 
 
 @attrs.frozen
@@ -187,12 +190,13 @@ def step_flats(params: tuple[ParamInfo, ...], mesh: MeshShape, *, reshard_after_
     return bucket_flat_params(flats, bucket_bytes)
 
 
-def structural_check(gm: fx.GraphModule, ctx: CompileContext, pass_name: str) -> None:
-    """After each pass: the graph is well formed and its gathers are waited for and freed."""
-    from .schedule.verify import _check_gather_lifetimes, _check_waits
+def structural_check(gm: fx.GraphModule, ctx: CompileContext, established: frozenset[GraphProperty]) -> None:
+    """After each pass: the graph is well formed, its tags are sound, its gathers are waited for and freed.
 
+    Gathers are freed once `reshard_after_forward` ran; between `gather_parameters` and it, they are not yet.
+    """
     gm.graph.lint()
-    schedule = read_schedule(gm, ctx)
-    _check_waits(schedule)
-    if pass_name not in ("gather_parameters", "recompute_activations"):  # frees come with reshard_after_forward
-        _check_gather_lifetimes(schedule)
+    verify_tags(gm.graph, (f.name for f in ctx.flats))
+    gathered_unfreed = (GraphProperty.PARAMETERS_GATHERED in established
+                        and GraphProperty.GATHERS_FREED not in established)
+    verify_structure(read_schedule(gm, ctx), frees_placed=not gathered_unfreed)

@@ -37,7 +37,8 @@ from .spec.rules import Rule
 from .spec.spec import Options, ResolvedSpec, Spec
 from .spec.strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
 from .step.step import Step
-from .spec.training import Accumulation, ParamGroup, RandomScheme
+from .spec.training import ParamGroup
+from shardlang.spec.vocabulary import Accumulation, RandomScheme
 
 __all__ = [
     "Adam", "AdamW", "CheckpointError", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",

@@ -17,7 +17,7 @@ from .compiler.analysis.budget import fit_budget
 from .compiler.compile import CompiledStep, collection_paused, compile_step, step_flats
 from .compiler.evaluate import compile_eval
 from .step.batch import check_example_batch
-from .compiler.layout.placement import Recompute
+from shardlang.spec.vocabulary import Recompute
 from .compiler.schedule.schedule_format import human_bytes
 from .compiler.layout.optim import AdamW
 from .compiler.ir.trace import TensorShape, tied_parameters

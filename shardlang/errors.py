@@ -1,7 +1,7 @@
 """The errors shardlang raises on purpose, for users: ``except shardlang.errors.SpecError``.
 
-Re-exported from `shardlang.compiler.errors`, where the hierarchy lives (the
-compiler is the lowest layer)::
+The hierarchy, shared by the spec language, the compiler and the runtime (this
+module imports nothing of shardlang, so every layer can raise them)::
 
     ShardlangError
     ├── SpecError              a spec is malformed or does not fit the model / world (also a ValueError)
@@ -11,6 +11,10 @@ compiler is the lowest layer)::
     └── ShardlangRuntimeError  running a compiled step failed (also a RuntimeError)
         ├── CheckpointError    a checkpoint could not be written or read (.path, .key)
         └── NonFiniteError     training stopped on an inf or nan loss or gradient (.step, .count)
+
+Every error carries the offending objects as attributes, so a caller can act
+on them without parsing the message, and each message says three things: the
+value, where it came from, and what would have been valid.
 
 Example::
 
@@ -22,24 +26,78 @@ Example::
 
 from __future__ import annotations
 
-from shardlang.compiler.errors import (
-    CheckpointError,
-    CompileError,
-    NonFiniteError,
-    ScheduleError,
-    ShardlangError,
-    ShardlangRuntimeError,
-    SpecError,
-    TraceError,
-)
-
 __all__ = [
-    "CheckpointError",
-    "CompileError",
-    "NonFiniteError",
-    "ScheduleError",
-    "ShardlangError",
-    "ShardlangRuntimeError",
-    "SpecError",
-    "TraceError",
+    "CheckpointError", "CompileError", "NonFiniteError", "ScheduleError", "ShardlangError",
+    "ShardlangRuntimeError", "SpecError", "TraceError",
 ]
+
+
+class ShardlangError(Exception):
+    """Base class of every error that shardlang raises on purpose."""
+
+
+class SpecError(ShardlangError, ValueError):
+    """A spec is malformed, or does not fit the model or the world it meets.
+
+    Example: ``SpecError("parameter 'head.bias' matches no rule; rules are ['blocks.*']")``.
+    """
+
+
+class TraceError(ShardlangError):
+    """The training step could not be traced into one graph.
+
+    ``site`` is the user's line and module where it failed (a
+    `compiler.ir.provenance.UserSite`), when known. Example:
+    ``TraceError("tracing the training step failed at model.py:42 in forward, module 'blocks.0' ...")``.
+    """
+
+    def __init__(self, message: str, *, site=None):
+        super().__init__(message)
+        self.site = site
+
+
+class CompileError(ShardlangError):
+    """A compiler pass failed or produced a graph that breaks an invariant.
+
+    ``pass_name`` names the failing pass and ``passes_before`` the ones that ran;
+    ``site`` the user's line and module behind the node it failed on, when known.
+    """
+
+    def __init__(self, message: str, *, pass_name: str | None = None, passes_before: tuple[str, ...] = (),
+                 site=None):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.passes_before = passes_before
+        self.site = site
+
+
+class ScheduleError(CompileError):
+    """The schedule verifier found a broken invariant (see `compiler.schedule.verify`)."""
+
+
+class ShardlangRuntimeError(ShardlangError, RuntimeError):
+    """Running a compiled step failed: bad batch, mismatched ranks, bad process group."""
+
+
+class CheckpointError(ShardlangRuntimeError):
+    """A checkpoint could not be written or read: another model, a wrong shape, a missing or corrupt file.
+
+    ``path`` is the checkpoint directory (or file) concerned; ``key`` the tensor, when one is to blame.
+    """
+
+    def __init__(self, message: str, *, path=None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class NonFiniteError(ShardlangRuntimeError):
+    """Training stopped: the loss or gradient norm was inf or nan on more steps than allowed (``--max-nonfinite``).
+
+    ``step`` is the 1-based step at which the run stopped; ``count`` the non-finite steps so far.
+    """
+
+    def __init__(self, message: str, *, step: int, count: int):
+        super().__init__(message)
+        self.step = step
+        self.count = count

@@ -23,7 +23,7 @@ import shardlang.api as api
 from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.budget import fit_budget
 from shardlang.compiler.analysis.cost import ComputeModel, CostModel
-from shardlang.compiler.layout.placement import Recompute
+from shardlang.spec.vocabulary import Recompute
 
 LAYERS = 6
 

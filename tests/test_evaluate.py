@@ -75,7 +75,7 @@ def test_evaluation_schedule_is_forward_only(world_size):
     training = sl.plan(model, case.loss_fn, spec, example_batch=batch, world_size=world_size)
     schedule = evaluation.schedule
     assert schedule.is_evaluation and not training.schedule.is_evaluation
-    assert {op.phase for op in schedule.ops} == {"forward"}
+    assert {op.phase.value for op in schedule.ops} == {"forward"}
     kinds = [op.kind for op in schedule.ops]
     assert OpKind.REDUCE_SCATTER not in kinds and OpKind.ALL_REDUCE not in kinds and OpKind.OPTIMIZER not in kinds
     gathers = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER]

@@ -92,7 +92,7 @@ def test_compiles_of_one_trace_equal_a_full_propagation_and_their_own_trace(monk
     memory plan equals that of the same options compiled from a trace of their own.
     """
     import shardlang.api as api
-    from shardlang.compiler.layout.placement import Recompute
+    from shardlang.spec.vocabulary import Recompute
 
     configurations = [({}, 1), ({"blocks.0": Recompute.FULL}, 1), ({"blocks.0": Recompute.FULL}, 2),
                       ({"blocks.0": Recompute.SELECTIVE, "blocks.1": Recompute.FULL}, 1), ({}, 2), ({}, 1)]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S
 from shardlang.runtime import (
     Backend,

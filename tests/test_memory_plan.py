@@ -167,7 +167,8 @@ def test_a_unit_sharded_flat_is_gathered_as_views_and_one_sharded_along_a_dim_is
     """Note [whole-flat shards]: a gathered member of a whole flat is a view of the gathered buffer, which lives
     until the unit's free; in the pieces layout each member is a copy and the buffer dies after the copies."""
     from shardlang.compiler.layout.flat import FlatLayout
-    from shardlang.compiler.ir.graph_utils import sl_tag, unpack_copies
+    from shardlang.compiler.ir.graph_utils import unpack_copies
+    from shardlang.compiler.ir.tags import NodeKind, kind_of
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4))
@@ -175,7 +176,7 @@ def test_a_unit_sharded_flat_is_gathered_as_views_and_one_sharded_along_a_dim_is
     compiled = sl.plan(model, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), sl.Spec(sl.Mesh(fsdp=-1), rules=[("*", rule)]),
                        optimizer=sl.SGD(lr=0.1), example_batch=batch, world_size=2)
     assert {f.layout for f in compiled.flats} == {FlatLayout.PIECES if copies else FlatLayout.WHOLE}
-    unpacks = [n for n in compiled.graph_module.graph.nodes if sl_tag(n).get("kind") == "unpack"]
+    unpacks = [n for n in compiled.graph_module.graph.nodes if kind_of(n) is NodeKind.UNPACK]
     assert len(unpacks) >= 4  # two weights and two biases, gathered for forward (and again for backward)
     assert all(unpack_copies(n) is copies for n in unpacks)
     gathered = {r.name: r for r in compiled.memory.nodes}

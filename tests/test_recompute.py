@@ -17,7 +17,7 @@ import recompute_workers as rw
 import shardlang as sl
 import strategy_workers
 from shardlang.step.batch import split_batch
-from shardlang.compiler.errors import CompileError, ScheduleError, SpecError
+from shardlang.errors import CompileError, ScheduleError, SpecError
 from shardlang.compiler.schedule.schedule import OpKind
 from shardlang.compiler.schedule.verify import _check_recompute, verify
 
@@ -100,7 +100,7 @@ def test_recompute_adds_no_collective_and_shows_in_the_schedule(policy, reshard)
     assert recomputed.schedule.summary.bytes_per_rank == kept.schedule.summary.bytes_per_rank
     ops = [op for op in recomputed.schedule.ops if op.detail == "recompute"]
     assert {op.unit for op in ops} == {"blocks.0", "blocks.1"}
-    assert all(op.phase == "backward" and op.kind is OpKind.COMPUTE for op in ops)
+    assert all(op.phase.value == "backward" and op.kind is OpKind.COMPUTE for op in ops)
     assert recomputed.schedule.options["recompute"] == {"blocks.0": policy, "blocks.1": policy}
     assert "recompute, " in recomputed.schedule.table()
 
@@ -114,7 +114,7 @@ def test_recompute_reads_the_backward_regather():
     recompute = next(op for op in ops if op.detail == "recompute" and "blocks.0" in op.uses)
     free = next(op for op in ops if op.kind is OpKind.FREE and op.flat == "blocks.0" and op.index > regather.index)
     assert regather.index < recompute.index < free.index
-    assert any(op.detail != "recompute" and op.phase == "backward" and "blocks.0" in op.uses
+    assert any(op.detail != "recompute" and op.phase.value == "backward" and "blocks.0" in op.uses
                for op in ops[recompute.index + 1:free.index])
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardlang.compiler.errors import ShardlangError, SpecError
+from shardlang.errors import ShardlangError, SpecError
 from shardlang.compiler.layout.placement import LayoutKind, MeshShape, Placement
 from shardlang.errors import SpecError as ReexportedSpecError
 from shardlang.spec.layout import Replicate, Shard, layout_from_dict, replicate, shard

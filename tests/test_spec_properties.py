@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shardlang.compiler.errors import SpecError
+from shardlang.errors import SpecError
 from shardlang.compiler.layout.placement import LayoutKind
 from shardlang.spec.layout import replicate, shard
 from shardlang.spec.mesh import Mesh

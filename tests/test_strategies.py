@@ -141,7 +141,7 @@ def test_bytes_follow_each_strategys_formula(strategy, world_size):
     assert schedule.summary.bytes_per_rank == expected
     ring = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
     assert schedule.summary.wire_bytes_per_rank == {k: round(v * ring[k]) for k, v in expected.items()}
-    assert {f.strategy for f in schedule.flats} == {strategy}
+    assert {f.strategy.value for f in schedule.flats} == {strategy}
     assert formula_bytes(schedule) == expected
     flat = schedule.flats[0]
     held = {"zero3": flat.local_numel, "zero2": flat.local_numel, "zero1": flat.padded_numel, "ddp": flat.numel}
@@ -160,7 +160,7 @@ def test_a_mixed_spec_adds_up_flat_by_flat():
             by_flat.setdefault(op.flat, {}).setdefault(op.kind.value, 0)
             by_flat[op.flat][op.kind.value] += op.bytes
     flats = {f.name: f for f in schedule.flats}
-    assert {n: f.strategy for n, f in flats.items()} == {
+    assert {n: f.strategy.value for n, f in flats.items()} == {
         "<root>": "zero3", "<root>#replicated": "ddp", "blocks.0": "zero1", "blocks.0#replicated": "ddp",
         "blocks.1": "zero2", "blocks.1#replicated": "ddp"}
     assert by_flat["blocks.0"] == {"reduce_scatter": flats["blocks.0"].padded_bytes,
@@ -191,7 +191,7 @@ def _reindexed(schedule, ops):
 def test_verifier_catches_a_zero1_parameter_gathered_before_its_update():
     schedule = plan("mlp", 2, sl.ZeRO1)
     gather = next(op for op in schedule.ops if op.kind is OpKind.ALL_GATHER)
-    assert gather.detail == "updated shards" and gather.phase == "optimizer"
+    assert gather.detail == "updated shards" and gather.phase.value == "optimizer"
     ops = [op for op in schedule.ops if op is not gather]
     ops.insert(0, gather)
     with pytest.raises(sl.ScheduleError, match=r"zero1 <root> is gathered at op 0, before its update"):

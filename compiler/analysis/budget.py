@@ -57,8 +57,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ..errors import SpecError
-from ..layout.placement import Recompute
+from shardlang.errors import SpecError
+from shardlang.spec.vocabulary import Recompute
 from ..schedule.schedule_format import human_bytes
 
 

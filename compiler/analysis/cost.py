@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..errors import SpecError
+from shardlang.errors import SpecError
 from ..ir.graph_utils import is_alias_op
 from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 

@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+from shardlang.spec.vocabulary import Strategy
 from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 REGATHER_DETAIL = "re-gather for backward"
@@ -63,21 +64,21 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
     out = {}
     for f in schedule.flats:
         row = {k.value: 0 for k in COLLECTIVE_KINDS}
-        if f.strategy == "ddp" or not f.sharded:
+        if f.strategy is Strategy.DDP or not f.sharded:
             if f.trainable and not schedule.is_evaluation and f.name not in elided:
                 row["all_reduce"] = f.numel * f.element_size
             out[f.name] = row
             continue
         p = f.padded_bytes
         if schedule.is_evaluation:
-            row["all_gather"] = p if f.strategy in ("zero3", "zero2") else 0
+            row["all_gather"] = p if f.strategy.shards_parameters else 0
             out[f.name] = row
             continue
         shard_group = sizes.get(f.axis, schedule.world_size) if f.axis else schedule.world_size
         replicas = schedule.world_size // shard_group
-        if f.strategy in ("zero3", "zero2"):
+        if f.strategy.shards_parameters:
             row["all_gather"] = p * (2 if f.name in regathered else 1)
-        if f.trainable and f.strategy == "zero1":
+        if f.trainable and f.strategy is Strategy.ZERO1:
             row["all_gather"] = p
         if f.trainable and f.name not in elided:
             row["reduce_scatter"] = p

@@ -76,10 +76,10 @@ from torch.utils import _pytree as pytree
 
 from ..ir import collectives
 from ..lower.emit import made_in_place
-from ..ir.graph_utils import sl_tag
+from ..ir.tags import NodeKind, kind_of, node_tag
 from ..layout.member_updates import member_gradients_of, update_members_
 from ..passes.keep_reduction_buffers import is_kept
-from ..schedule.schedule import COLLECTIVE_KINDS, Schedule
+from ..schedule.schedule import Schedule
 from ..schedule.schedule_format import human_bytes
 from ..ir.trace import GraphInput, InputRole, Phase, phase_of, tag_of
 
@@ -393,17 +393,17 @@ class _Simulator:
                     self.kept_by_unit[unit] = self.kept_by_unit.get(unit, 0) + size[key]
 
     def _issue(self, node: fx.Node, live: dict, scratch_until: dict) -> int:
-        kind = sl_tag(node).get("kind")
-        if kind not in {k.value for k in COLLECTIVE_KINDS}:
+        kind = kind_of(node)
+        if kind is None or not kind.is_collective:
             return 0
-        payload_node = node if kind == "all_gather" else node.args[0]
+        payload_node = node if kind is NodeKind.ALL_GATHER else node.args[0]
         payload = sum(n for _, n in _storages(payload_node.meta.get("val")))
-        extra = int(_scale(self.scratch, kind, _group_size(node)) * payload)
-        waits = [u for u in node.users if sl_tag(u).get("kind", "").startswith("wait")]
+        extra = int(_scale(self.scratch, kind.value, _group_size(node)) * payload)
+        waits = [u for u in node.users if kind_of(u) is not None and kind_of(u).is_wait]
         if not extra or not waits:
             return 0
         live[Category.COLLECTIVE_SCRATCH.value] += extra
-        lingering = int((1 - 1 / (_group_size(node) or 1)) * payload) if kind == "reduce_scatter" else 0
+        lingering = int((1 - 1 / (_group_size(node) or 1)) * payload) if kind is NodeKind.REDUCE_SCATTER else 0
         lingering = min(extra, lingering)
         scratch_until[waits[0]] = (extra, lingering)
         return extra
@@ -460,7 +460,7 @@ class _Simulator:
             for key, _ in _storages(node.meta.get("val")):
                 category.setdefault(key, Category.REDUCTION_BUFFERS if is_kept(node) else _node_category(node))
         for node in self.nodes:  # what a reduction packs, or an update reads by member, is a parameter gradient
-            if sl_tag(node).get("kind") == "pack":
+            if kind_of(node) is NodeKind.PACK:
                 gradients = node.all_input_nodes
             elif node.target is update_members_:  # Note [updates from member gradients]
                 gradients = [g for g in member_gradients_of(node) if isinstance(g, fx.Node)]
@@ -490,14 +490,17 @@ def _scale(scratch, kind: str, group_size: int | None) -> float:
     return scratch.get(kind, 0.0)
 
 
+_GRADIENT_SHARD_KINDS = (NodeKind.REDUCE_SCATTER, NodeKind.ALL_REDUCE, NodeKind.WAIT_REDUCE, NodeKind.AVERAGE)
+
+
 def _node_category(node: fx.Node) -> Category:
-    tag = sl_tag(node)
-    kind = tag.get("kind")
-    if kind in ("all_gather", "wait_gather", "unpack"):
+    tag = node_tag(node)
+    kind = tag.kind if tag is not None else None
+    if kind in (NodeKind.ALL_GATHER, NodeKind.WAIT_GATHER, NodeKind.UNPACK):
         return Category.GATHERED
-    if kind == "pack":
+    if kind is NodeKind.PACK:
         return Category.GRADIENT_BUFFERS
-    if tag.get("flat") is not None and kind in ("reduce_scatter", "all_reduce", "wait_reduce", "average"):
+    if tag is not None and tag.flat is not None and kind in _GRADIENT_SHARD_KINDS:
         return Category.GRADIENT_SHARDS
     if phase_of(node) is Phase.FORWARD or tag_of(node, "recompute") is not None:  # made in forward, or again
         return Category.ACTIVATIONS

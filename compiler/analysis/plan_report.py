@@ -35,6 +35,7 @@ from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
 from ..schedule.schedule import OpKind, Schedule
 from ..schedule.schedule_format import _detail, _unit, human_bytes
 from ..ir.trace import GraphInput
+from shardlang.spec.vocabulary import Strategy
 
 
 @attrs.frozen
@@ -119,7 +120,7 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
     formula = formula_bytes(schedule)
     planned = schedule.summary.bytes_per_rank
     flats = {f.name: f for f in schedule.flats}
-    sharded = [f for f in schedule.flats if f.sharded and getattr(f, "strategy", "zero3") != "ddp"]
+    sharded = [f for f in schedule.flats if f.sharded and f.strategy is not Strategy.DDP]
     m = sum(f.padded_bytes for f in sharded)
     m_trainable = sum(f.padded_bytes for f in sharded if f.trainable)
     regathered = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL]
@@ -132,7 +133,7 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
         "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
     }
     if schedule.is_evaluation:  # forward only: each gathered unit once, nothing reduced
-        gathered = sum(f.padded_bytes for f in sharded if f.strategy in ("zero3", "zero2"))
+        gathered = sum(f.padded_bytes for f in sharded if f.strategy.shards_parameters)
         expressions = {"all_gather": f"M = {human_bytes(gathered)} (each unit once, forward only)",
                        "reduce_scatter": "none: evaluation has no gradients",
                        "all_reduce": "none: evaluation has no gradients, eval-mode BatchNorm no batch statistics"}
@@ -160,7 +161,7 @@ def format_communication(schedule: Schedule) -> str:
 
 def _plain_full_sharding(schedule: Schedule) -> bool:
     """Every flat parameter fully sharded (ZeRO-3) or replicated, on a 1-D mesh: the textbook's setting."""
-    return len(schedule.mesh) == 1 and all(getattr(f, "strategy", "zero3") == "zero3" or not f.sharded
+    return len(schedule.mesh) == 1 and all(f.strategy is Strategy.ZERO3 or not f.sharded
                                            for f in schedule.flats)
 
 
@@ -178,7 +179,7 @@ def format_plan_table(plan: Plan, max_rows: int | None = None) -> str:
         mem = memory.get(op.index)
         peak_mark = " *" if plan.memory.peak_op == op.index else ""
         rows.append((
-            str(op.index), op.phase, op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
+            str(op.index), op.phase.value, op.kind.value, _unit(op.unit), human_bytes(op.bytes) if op.bytes else "",
             human_bytes(mem.live_after) if mem else "", (human_bytes(mem.peak) + peak_mark) if mem else "",
             f"{tl.op_start_s[op.index] * 1e3:.3f}", f"{durations[op.index] * 1e3:.3f}" if durations[op.index] else "",
             _detail(op),

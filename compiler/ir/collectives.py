@@ -21,7 +21,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..errors import CompileError
+from shardlang.errors import CompileError
 
 
 def _abstract_only(name: str, x: torch.Tensor, group_size: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..errors import TraceError
+from shardlang.errors import TraceError
 from .provenance import site_of_node
 
 _MATMULS = {

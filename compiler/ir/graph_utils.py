@@ -1,8 +1,7 @@
 """Small helpers the passes share: node positions, aliases, tags, insertion, the layout of a node's value.
 
-Tags: every node a pass inserts carries ``meta["sl"]``, a dict with at least
-``kind`` (one of `OpKind`'s values) and ``flat`` (the flat parameter's name).
-The schedule is read off these tags, never off node names.
+Tags: every node a pass inserts carries a `compiler.ir.tags.NodeTag`; the
+schedule is read off these tags, never off node names.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from .tags import NodeKind, kind_of
 from .trace import Phase, tag_of
 
 _ALIASING_NOT_MARKED_AS_VIEW = {torch.ops.aten._unsafe_view.default}
@@ -49,23 +49,6 @@ class _SortKeys(Mapping):
         raise TypeError("positions() can be looked up, not counted")
 
 
-def sl_tag(node: fx.Node) -> dict:
-    return node.meta.get("sl", {})
-
-
-def tag(node: fx.Node, kind: str, flat: str | None, phase: Phase | None, **extra) -> fx.Node:
-    """Mark an inserted node for the schedule and for later passes."""
-    node.meta["sl"] = {"kind": kind, "flat": flat, **extra}
-    if phase is not None:
-        set_phase(node, phase)
-    return node
-
-
-def set_phase(node: fx.Node, phase: Phase) -> None:
-    """Set a node's phase tag (a fresh dict: traced nodes may share one ``custom`` dict)."""
-    node.meta["custom"] = {**node.meta.get("custom", {}), "phase": phase.value}
-
-
 def is_alias_op(node: fx.Node) -> bool:
     """Whether ``node``'s output may share storage with its first input."""
     if node.op != "call_function":
@@ -75,7 +58,7 @@ def is_alias_op(node: fx.Node) -> bool:
         return True
     if target in _ALIASING_NOT_MARKED_AS_VIEW:
         return True
-    if sl_tag(node).get("kind") == "unpack":
+    if kind_of(node) is NodeKind.UNPACK:
         return True  # a view of the gathered buffer for a single-member flat
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
@@ -86,7 +69,7 @@ def unpack_copies(node: fx.Node) -> bool:
     Decided by running the unpack on a meta buffer of the same length: no data, only storage identity.
     """
     gathered, world, offset, piece, *rest = node.args
-    row = max(u.args[2] + u.args[3] for u in gathered.users if sl_tag(u).get("kind") == "unpack")
+    row = max(u.args[2] + u.args[3] for u in gathered.users if kind_of(u) is NodeKind.UNPACK)
     buffer = torch.empty(world * row, device="meta")
     return node.target(buffer, world, offset, piece, *rest)._base is not buffer
 

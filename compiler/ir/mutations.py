@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..errors import TraceError
+from shardlang.errors import TraceError
 from .provenance import site_of_node
 
 # `trace.InputRole` and `trace.Phase` values, by value: trace.py runs this check on a failed trace's partial graph

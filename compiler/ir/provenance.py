@@ -379,7 +379,7 @@ def _module_under_construction(exc: BaseException, modules) -> tuple[str, UserSi
 
 def trace_error(exc: BaseException, model: torch.nn.Module, sites: TracingSites):
     """A `TraceError` for ``exc`` raised under make_fx: the user's line and module, the cause, what to do."""
-    from ..errors import TraceError
+    from shardlang.errors import TraceError
 
     modules = module_names(model)
     site = site_of_exception(exc, modules)

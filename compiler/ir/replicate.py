@@ -48,7 +48,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
+from shardlang.errors import TraceError
 from .graph_utils import storage_key, tensor_layout
 from .lazy_code import graph_module
 from .trace import TracedStep, graph_inputs, trace_step

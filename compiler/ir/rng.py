@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
-from ..errors import TraceError
+from shardlang.errors import TraceError
 from .provenance import site_of_node
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import CompileError
+from shardlang.errors import CompileError
 
 
 @torch.library.custom_op("shardlang::all_reduce_sum", mutates_args=())

@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
+from shardlang.errors import TraceError
 from ..layout.flat import FlatParam
 from .lazy_code import lazy_code
 from ..layout.optim import GroupedOptimizer, hyper_tensors
@@ -54,7 +54,8 @@ from .provenance import partial_graph, trace_error, tracing_sites
 from .rng import GlobalDropout, check_random_ops
 from .sync_batch_norm import SyncBatchNorm
 from .torch_logs import captured_torch_logs
-from .training import Accumulation, RandomScheme, Training
+from .training import Training
+from shardlang.spec.vocabulary import Accumulation, RandomScheme
 
 
 class InputRole(enum.Enum):

@@ -18,37 +18,9 @@ from collections.abc import Mapping
 
 import attrs
 
-
-class Accumulation(enum.Enum):
-    """How k micro-batches share one optimizer step (docs/training.md, "Gradient accumulation").
-
-    - ``PER_MICROBATCH``: each micro-batch gathers, frees and reduce-scatters on
-      its own, and each rank adds the reduced gradient shard into an accumulator:
-      k times the collectives of one step, the memory of one micro-batch step.
-    - ``KEEP``: the parameters are gathered once and kept for all k micro-batches;
-      unreduced full gradients are summed across micro-batches and reduced once:
-      the collectives of one step, plus the gathered parameters and the full
-      gradients held for the whole step.
-    """
-
-    PER_MICROBATCH = "per_microbatch"
-    KEEP = "keep"
+from shardlang.spec.vocabulary import Accumulation, RandomScheme
 
 
-class RandomScheme(enum.Enum):
-    """How each rank draws random numbers (dropout); docs/training.md, "Dropout and random numbers".
-
-    - ``PER_RANK``: rank r draws from its own generator, seeded with
-      ``seed * 1_000_003 + r``; ranks draw different masks for their rows, as
-      under DDP. Cheap; statistically, not bitwise, what one process does.
-    - ``GLOBAL``: every rank draws the mask of the whole global batch from a
-      generator seeded with ``seed`` and keeps its own rows: bitwise the masks one
-      process seeded with ``seed`` draws, at N times the random numbers and the
-      mask memory. For checking parity, not for scale.
-    """
-
-    PER_RANK = "per_rank"
-    GLOBAL = "global"
 
 
 def per_rank_seed(seed: int, rank: int) -> int:

@@ -45,7 +45,8 @@ import math
 import attrs
 import torch
 
-from .placement import LayoutKind, MeshShape, ParamInfo, Strategy
+from .placement import LayoutKind, MeshShape, ParamInfo
+from shardlang.spec.vocabulary import Strategy
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..errors import SpecError
+from shardlang.errors import SpecError
 
 
 def _check_nonneg(name: str):

@@ -13,55 +13,9 @@ import enum
 import attrs
 import torch
 
-
-class Strategy(enum.Enum):
-    """What a unit shards over its layout's mesh axis (see docs/strategies.md).
-
-    ============  ==========  =========  ===============  ==============================
-    strategy      parameters  gradients  optimizer state  communication per step
-    ============  ==========  =========  ===============  ==============================
-    ``ZERO3``     sharded     sharded    sharded          all-gather twice, reduce-scatter
-    ``ZERO2``     sharded     sharded    sharded          all-gather once, reduce-scatter
-    ``ZERO1``     whole       sharded    sharded          reduce-scatter, all-gather the update
-    ``DDP``       whole       whole      whole            all-reduce
-    ============  ==========  =========  ===============  ==============================
-
-    ZERO3 frees a unit's gathered parameters after forward and gathers them
-    again for backward; ZERO2 keeps them from forward to backward. A replicated
-    parameter (layout ``replicate()``) is always handled as DDP.
-    """
-
-    ZERO3 = "zero3"
-    ZERO2 = "zero2"
-    ZERO1 = "zero1"
-    DDP = "ddp"
-
-    @property
-    def shards_parameters(self) -> bool:
-        """Whether a rank holds only a shard of the parameters (and gathers them to compute)."""
-        return self in (Strategy.ZERO3, Strategy.ZERO2)
-
-    @property
-    def shards_gradients(self) -> bool:
-        """Whether gradients are reduce-scattered (each rank keeps and updates one shard)."""
-        return self is not Strategy.DDP
+from shardlang.spec.vocabulary import Strategy
 
 
-class Recompute(enum.Enum):
-    """What a unit keeps of its forward for backward, and what it computes again (docs/spec.md, "Recompute").
-
-    - ``NONE``: keep every activation backward reads (the default).
-    - ``FULL``: keep only the unit's inputs (and outputs, which the next unit
-      keeps anyway); run its forward again just before its backward.
-    - ``SELECTIVE``: keep the outputs of matmuls and attention, recompute the
-      cheap ops between them (torchtitan's op-level policy).
-
-    The pass is `compiler.passes.recompute_activations`.
-    """
-
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
 
 
 class LayoutKind(enum.Enum):

@@ -65,7 +65,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from ..errors import CompileError
+from shardlang.errors import CompileError
 from .step_scalars import StepScalars, split_step_scalars
 
 

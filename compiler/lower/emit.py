@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from ..errors import CompileError
+from shardlang.errors import CompileError
 from ..layout.flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
-from ..ir.graph_utils import sl_tag
+from ..ir.tags import NodeKind, kind_of
 from ..passes.keep_reduction_buffers import is_kept
 from ..layout.placement import WORLD
 
@@ -151,7 +151,7 @@ def made_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 def _divides_its_reduction(node: fx.Node) -> bool:
     """Whether ``node`` is an average that alone reads the wait of a reduction over more than one rank."""
-    if node.target is not torch.ops.aten.div.Tensor or sl_tag(node).get("kind") != "average":
+    if node.target is not torch.ops.aten.div.Tensor or kind_of(node) is not NodeKind.AVERAGE:
         return False
     wait = node.args[0]
     if not isinstance(wait, fx.Node) or wait.target is not collectives.wait or len(wait.users) != 1:

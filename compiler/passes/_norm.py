@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .context import CompileContext
 from ..lower.emit import WORLD_AXIS as WORLD
-from ..ir.graph_utils import sl_tag, tag
+from ..ir.tags import NodeKind, node_tag, tag
 from ..ir.trace import Phase
 from ..ir import collectives
 
@@ -54,11 +54,11 @@ def global_norm(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
         for local in locals_[1:]:
             total = _op(graph, _aten.add.Tensor, total, local)
         buffer = _op(graph, _aten.view.default, total, [1])
-    issued = tag(graph.call_function(collectives.all_reduce, (buffer, WORLD, ctx.mesh.size)), "all_reduce", None,
+    issued = tag(graph.call_function(collectives.all_reduce, (buffer, WORLD, ctx.mesh.size)), NodeKind.ALL_REDUCE, None,
                  Phase.OPTIMIZER, detail="gradient norm")
-    summed = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", None, Phase.OPTIMIZER)
+    summed = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_REDUCE, None, Phase.OPTIMIZER)
     total = _op(graph, _aten.sum.default, summed) if per_flat else _op(graph, _aten.view.default, summed, [])
-    norm = tag(graph.call_function(_aten.sqrt.default, (total,)), "clip", None, Phase.OPTIMIZER, norm=True,
+    norm = tag(graph.call_function(_aten.sqrt.default, (total,)), NodeKind.CLIP, None, Phase.OPTIMIZER, norm=True,
                flats=tuple(grads) if per_flat else ())
     return norm, (summed if per_flat else None)
 
@@ -66,11 +66,11 @@ def global_norm(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
 def find_norm(graph: fx.Graph) -> tuple[fx.Node | None, fx.Node | None]:
     """The norm node `global_norm` made, and its per-flat vector (None when it made none)."""
     for node in graph.nodes:
-        if sl_tag(node).get("norm"):
+        if (t := node_tag(node)) is not None and t.norm:
             vector = node.args[0].args[0] if node.args[0].target is _aten.sum.default else None
             return node, vector
     return None, None
 
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    return tag(graph.call_function(target, args, kwargs), "clip", None, Phase.OPTIMIZER)
+    return tag(graph.call_function(target, args, kwargs), NodeKind.CLIP, None, Phase.OPTIMIZER)

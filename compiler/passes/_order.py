@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..errors import CompileError
-from ..ir.graph_utils import positions, sl_tag
+from shardlang.errors import CompileError
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, is_inserted, node_tag
 from ..ir.trace import Phase, phase_of
 
 
@@ -18,15 +19,15 @@ def optimizer_gradients(graph: fx.Graph) -> dict[str, fx.Node]:
     """The gradient each trainable flat parameter's update reads: its last node tagged "average"."""
     grads: dict[str, fx.Node] = {}
     for node in graph.nodes:
-        t = sl_tag(node)
-        if t.get("kind") == "average" and t.get("flat") is not None:
-            grads[t["flat"]] = node
+        t = node_tag(node)
+        if t is not None and t.kind is NodeKind.AVERAGE and t.flat is not None:
+            grads[t.flat] = node
     return grads
 
 
 def is_update(node: fx.Node) -> bool:
     """An optimizer node the trace made (the update of a flat parameter, the step count)."""
-    return phase_of(node) is Phase.OPTIMIZER and not sl_tag(node)
+    return phase_of(node) is Phase.OPTIMIZER and not is_inserted(node)
 
 
 def ancestors(nodes) -> set[fx.Node]:

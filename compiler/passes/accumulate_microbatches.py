@@ -31,15 +31,21 @@ import torch
 import torch.fx as fx
 
 from .context import CompileContext
-from ..errors import CompileError
-from ..ir.graph_utils import positions, tag
+from shardlang.errors import CompileError
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, is_inserted, tag
 from ..ir.trace import Phase, phase_of, tag_of
-from ..ir.training import Accumulation
+from shardlang.spec.vocabulary import Accumulation
 from ._order import ancestors, move_after, optimizer_gradients
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 
 
+@graph_pass(requires={GraphProperty.BATCH_STATS_ISSUED, GraphProperty.PARAMETERS_GATHERED,
+                      GraphProperty.ACTIVATIONS_RECOMPUTED, GraphProperty.GATHERS_FREED,
+                      GraphProperty.GATHERS_PREFETCHED, GraphProperty.GRADIENTS_REDUCED},
+            establishes={GraphProperty.MICROBATCHES_ACCUMULATED})
 def accumulate_microbatches(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     k = ctx.training.microbatches
     if k == 1 or ctx.training.accumulation is not Accumulation.PER_MICROBATCH:
@@ -62,8 +68,8 @@ def accumulate_microbatches(gm: fx.GraphModule, ctx: CompileContext) -> fx.Graph
             for node in body:
                 copies[node] = _copy(graph, node, copies, i)
             for flat, grad in grads.items():
-                sums[flat] = tag(graph.call_function(_aten.add.Tensor, (sums[flat], copies[grad])), "average", flat,
-                                 Phase.OPTIMIZER)
+                sums[flat] = tag(graph.call_function(_aten.add.Tensor, (sums[flat], copies[grad])), NodeKind.AVERAGE,
+                                 flat, Phase.OPTIMIZER)
                 _set_microbatch(sums[flat], i)
                 adds.add(sums[flat])
             loss_sum = graph.call_function(_aten.add.Tensor, (loss_sum, copies[loss]))
@@ -83,7 +89,7 @@ def _region(graph: fx.Graph, results) -> set[fx.Node]:
     region |= ancestors(results)
     region = {n for n in region if n.op == "call_function"}
     for node in region:
-        if phase_of(node) is Phase.OPTIMIZER and node.meta.get("sl") is None and tag_of(node, "flat"):
+        if phase_of(node) is Phase.OPTIMIZER and not is_inserted(node) and tag_of(node, "flat"):
             raise CompileError(f"micro-batch accumulation: the micro-batch region reads optimizer update {node.name}")
     return region
 
@@ -91,8 +97,6 @@ def _region(graph: fx.Graph, results) -> set[fx.Node]:
 def _copy(graph: fx.Graph, node: fx.Node, copies: dict, i: int) -> fx.Node:
     """``node`` for micro-batch i: same op on the copies of its inputs; a batch slice moves to rows of block i."""
     new = graph.node_copy(node, lambda arg: copies.get(arg, arg))
-    if "sl" in node.meta:
-        new.meta["sl"] = dict(node.meta["sl"])
     _set_microbatch(new, i)
     rows = tag_of(node, "microbatch_rows")
     if rows is not None:

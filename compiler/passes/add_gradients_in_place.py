@@ -30,10 +30,14 @@ from .context import CompileContext
 from ..ir.graph_utils import positions, storage_key, tensor_leaves
 from ..ir.shapes import propagate_shapes, remember_shapes
 from ..ir.trace import Phase, phase_of
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.MICROBATCHES_ACCUMULATED,
+                      GraphProperty.SHAPES_PROPAGATED},
+            establishes={GraphProperty.GRADIENT_SUMS_IN_PLACE})
 def add_gradients_in_place(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.backend is not StepBackend.EAGER:
         return gm

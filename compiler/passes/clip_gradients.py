@@ -35,16 +35,20 @@ import torch.fx as fx
 
 from ..ir import collectives
 from .context import CompileContext
-from ..ir.graph_utils import positions, tag
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, tag
 from ..ir.trace import Phase
 from ._norm import global_norm
 from ._order import is_update, move_after, optimizer_gradients
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 #: torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
 EPS = 1e-6
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.MICROBATCHES_ACCUMULATED},
+            establishes={GraphProperty.GRADIENTS_CLIPPED})
 def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     max_norm = ctx.training.clip_grad_norm
     if max_norm is None:
@@ -63,8 +67,9 @@ def clip_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for flat, grad in grads.items():
             readers = [u for u in grad.users if is_update(u)]
             scale = tag(graph.call_function(_aten._to_copy.default, (coef,), {"dtype": ctx.flat(flat).dtype}),
-                        "clip", flat, Phase.OPTIMIZER)
-            clipped[flat] = tag(graph.call_function(_aten.mul.Tensor, (grad, scale)), "clip", flat, Phase.OPTIMIZER)
+                        NodeKind.CLIP, flat, Phase.OPTIMIZER)
+            clipped[flat] = tag(graph.call_function(_aten.mul.Tensor, (grad, scale)), NodeKind.CLIP, flat,
+                                Phase.OPTIMIZER)
             for reader in readers:
                 reader.replace_input_with(grad, clipped[flat])
     last = max(clipped.values(), key=positions(graph).__getitem__)
@@ -84,4 +89,4 @@ def _clip_coefficient(graph: fx.Graph, norm: fx.Node, max_norm: float) -> fx.Nod
 
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    return tag(graph.call_function(target, args, kwargs), "clip", None, Phase.OPTIMIZER)
+    return tag(graph.call_function(target, args, kwargs), NodeKind.CLIP, None, Phase.OPTIMIZER)

@@ -8,7 +8,8 @@ import attrs
 
 from ..lower.backend import StepBackend
 from ..layout.flat import FlatParam
-from ..layout.placement import MeshShape, Recompute
+from ..layout.placement import MeshShape
+from shardlang.spec.vocabulary import Recompute
 from ..ir.trace import GraphInput
 from ..ir.training import Training
 

@@ -28,6 +28,7 @@ from ..lower.backend import StepBackend
 from .context import CompileContext
 from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from ..layout.member_updates import FLAT, GRAD, SAME, update_members_
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 
@@ -39,6 +40,8 @@ _ELEMENTWISE_INPLACE = frozenset({
 _PACKS = (pack_gradients, flatten_gradients, pack_whole_gradients)
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.OPTIMIZER_SHARDED},
+            establishes={GraphProperty.LOCAL_REDUCTIONS_ELIDED})
 def elide_local_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.mesh.size != 1:
         return gm  # every reduction sums over more than one rank (Note [updates from member gradients])

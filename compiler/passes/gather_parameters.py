@@ -24,10 +24,13 @@ import torch.fx as fx
 from ..ir import collectives
 from .context import CompileContext
 from ..layout.flat import unpack_member
-from ..ir.graph_utils import first_user, placeholders_by_flat, positions, tag
+from ..ir.graph_utils import first_user, placeholders_by_flat, positions
+from ..ir.tags import NodeKind, tag
 from ..ir.trace import Phase, tag_of
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(establishes={GraphProperty.PARAMETERS_GATHERED})
 def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     leaves = _member_leaves(graph)
@@ -43,14 +46,15 @@ def gather_parameters(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
         with graph.inserting_before(anchor):
             shard = placeholders[flat.name]
             if flat.param_dtype is not None:  # mixed precision: gather (and compute) in param_dtype
-                shard = tag(graph.call_function(torch.ops.prims.convert_element_type.default, (shard, flat.param_dtype)),
-                            "cast", flat.name, Phase.FORWARD)
+                cast = graph.call_function(torch.ops.prims.convert_element_type.default, (shard, flat.param_dtype))
+                shard = tag(cast, NodeKind.CAST, flat.name, Phase.FORWARD)
             issued = tag(graph.call_function(collectives.all_gather, (shard, flat.axis, flat.world)),
-                         "all_gather", flat.name, Phase.FORWARD)
-            gathered = tag(graph.call_function(collectives.wait, (issued,)), "wait_gather", flat.name, Phase.FORWARD)
+                         NodeKind.ALL_GATHER, flat.name, Phase.FORWARD)
+            gathered = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_GATHER, flat.name,
+                           Phase.FORWARD)
             for member in flat.members:
                 unpacked = graph.call_function(unpack_member, _unpack_args(gathered, member))
-                tag(unpacked, "unpack", flat.name, Phase.FORWARD, member=member.name)
+                tag(unpacked, NodeKind.UNPACK, flat.name, Phase.FORWARD, member=member.name)
                 if member.name in leaves:
                     leaves[member.name].replace_all_uses_with(unpacked)
     collectives.eliminate_dead_code(graph)

@@ -25,11 +25,15 @@ import torch.fx as fx
 
 from ..ir import collectives
 from .context import CompileContext
-from ..ir.graph_utils import placeholders_by_flat, positions, tag
-from ..layout.placement import Strategy
+from ..ir.graph_utils import placeholders_by_flat, positions
+from ..ir.tags import NodeKind, tag
+from shardlang.spec.vocabulary import Strategy
 from ..ir.trace import Phase, phase_of, tag_of
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.NONFINITE_SKIPPED},
+            establishes={GraphProperty.UPDATED_SHARDS_GATHERED})
 def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     flats = [f for f in ctx.flats if f.strategy is Strategy.ZERO1 and f.trainable]
     if not flats:
@@ -52,8 +56,8 @@ def gather_updated_shards(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
             user.replace_input_with(full, shard)
         with graph.inserting_after(last):
             issued = tag(graph.call_function(collectives.all_gather_into, (shard, full, flat.axis, flat.world)),
-                         "all_gather", flat.name, Phase.OPTIMIZER, update=True)
+                         NodeKind.ALL_GATHER, flat.name, Phase.OPTIMIZER, update=True)
         with graph.inserting_before(output):
-            tag(graph.call_function(collectives.wait, (issued,)), "wait_update", flat.name, Phase.OPTIMIZER)
+            tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_UPDATE, flat.name, Phase.OPTIMIZER)
     gm.recompile()
     return gm

@@ -43,10 +43,13 @@ from ..ir import collectives
 from ..lower.backend import StepBackend
 from .context import CompileContext
 from ..layout.flat import is_new_flat_buffer
-from ..ir.graph_utils import sl_tag
-from ..ir.training import Accumulation
+from ..ir.tags import node_tag, retag
+from shardlang.spec.vocabulary import Accumulation
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.MICROBATCHES_ACCUMULATED},
+            establishes={GraphProperty.REDUCTION_BUFFERS_KEPT})
 def keep_reduction_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.keep_reduction_buffers or ctx.backend is not StepBackend.EAGER or ctx.mesh.size == 1:
         return gm
@@ -54,7 +57,7 @@ def keep_reduction_buffers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
         return gm  # one pack per flat and micro-batch: k kept buffers each
     for node in gm.graph.nodes:
         if is_keepable(node):
-            node.meta["sl"] = {**sl_tag(node), "kept": True}
+            retag(node, kept=True)
     return gm
 
 
@@ -73,4 +76,5 @@ def is_keepable(node: fx.Node) -> bool:
 
 def is_kept(node: fx.Node) -> bool:
     """Whether the pass marked ``node``'s buffer as kept between steps (Note [kept reduction buffers])."""
-    return bool(sl_tag(node).get("kept"))
+    t = node_tag(node)
+    return t is not None and t.kept

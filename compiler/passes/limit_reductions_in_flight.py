@@ -19,15 +19,19 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .context import CompileContext
-from ..ir.graph_utils import positions, sl_tag
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, kind_of, node_tag
+from .contract import GraphProperty, graph_pass
 
-_REDUCTIONS = ("reduce_scatter", "all_reduce")
+_REDUCTIONS = (NodeKind.REDUCE_SCATTER, NodeKind.ALL_REDUCE)
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.MICROBATCHES_ACCUMULATED},
+            establishes={GraphProperty.REDUCTIONS_LIMITED})
 def limit_reductions_in_flight(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
-    issues = [n for n in graph.nodes if sl_tag(n).get("kind") in _REDUCTIONS and sl_tag(n).get("flat") is not None]
-    waits = {n.args[0]: n for n in graph.nodes if sl_tag(n).get("kind") == "wait_reduce" and n.args}
+    issues = [n for n in graph.nodes if kind_of(n) in _REDUCTIONS and node_tag(n).flat is not None]
+    waits = {n.args[0]: n for n in graph.nodes if kind_of(n) is NodeKind.WAIT_REDUCE and n.args}
     for issued, following in zip(issues, issues[1:]):
         wait = waits.get(issued)
         if wait is None:

@@ -20,15 +20,19 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .context import CompileContext
-from ..ir.graph_utils import positions, sl_tag
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, kind_of
 from ..ir.trace import Phase, phase_of
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(requires={GraphProperty.PARAMETERS_GATHERED, GraphProperty.GATHERS_FREED},
+            establishes={GraphProperty.GATHERS_PREFETCHED})
 def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.prefetch <= 0:
         return gm
     for phase in (Phase.FORWARD, Phase.BACKWARD):
-        waits = [n for n in gm.graph.nodes if sl_tag(n).get("kind") == "wait_gather" and phase_of(n) is phase]
+        waits = [n for n in gm.graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER and phase_of(n) is phase]
         order = positions(gm.graph)
         for j in range(1, len(waits)):
             # Gather j is issued right after the wait of gather j - d (the first one's, for j <= d).
@@ -36,7 +40,7 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             # Only move earlier: the target spot must precede the issue's current place.
             if order[wait] < order[issue]:
                 source = issue.args[0]
-                if sl_tag(source).get("kind") == "cast" and len(source.users) == 1:
+                if kind_of(source) is NodeKind.CAST and len(source.users) == 1:
                     wait.append(source)  # mixed precision: the shard's cast moves with its gather
                     source.append(issue)
                 else:

@@ -7,7 +7,7 @@ that ran them (`compiler.ir.trace`); parameters are already gathered
 (`gather_parameters`).
 
 After, for each unit whose policy in ``ctx.recompute`` is not NONE
-(`compiler.layout.placement.Recompute`), and each micro-batch:
+(`shardlang.spec.vocabulary.Recompute`), and each micro-batch:
   - the unit's *internal* forward values (those no forward node outside the
     unit reads) that backward reads are made again by copies of their forward
     nodes, placed together, in forward order, right before the first backward
@@ -48,11 +48,13 @@ import torch
 import torch.fx as fx
 
 from .context import CompileContext
-from ..errors import CompileError
-from ..ir.graph_utils import positions, set_phase, sl_tag
-from ..layout.placement import Recompute
+from shardlang.errors import CompileError
+from ..ir.graph_utils import positions
+from ..ir.tags import is_inserted, set_phase
+from shardlang.spec.vocabulary import Recompute
 from ..ir.rng import is_random, save_rng_state, with_rng_state
 from ..ir.trace import Phase, phase_of, tag_of
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 
@@ -73,6 +75,9 @@ def saved_by_selective(node: fx.Node) -> bool:
     return node.target in SAVED_BY_SELECTIVE
 
 
+@graph_pass(requires={GraphProperty.PARAMETERS_GATHERED},
+            establishes={GraphProperty.ACTIVATIONS_RECOMPUTED},
+            invalidates={GraphProperty.GATHERS_FREED, GraphProperty.GATHERS_PREFETCHED})
 def recompute_activations(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     policies = {unit: p for unit, p in ctx.recompute.items() if p is not Recompute.NONE}
     if not policies:
@@ -117,7 +122,7 @@ def _copied(nodes: list[fx.Node], policy: Recompute) -> tuple[list[fx.Node], set
 
 
 def _is_forward_compute(node: fx.Node) -> bool:
-    return node.op == "call_function" and phase_of(node) is Phase.FORWARD and not sl_tag(node)
+    return node.op == "call_function" and phase_of(node) is Phase.FORWARD and not is_inserted(node)
 
 
 def _recompute_region(graph: fx.Graph, unit: str, nodes: list[fx.Node], policy: Recompute) -> None:

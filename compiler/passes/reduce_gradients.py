@@ -30,9 +30,11 @@ import torch.fx as fx
 from ..ir import collectives
 from .context import CompileContext
 from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
-from ..ir.graph_utils import positions, set_phase, sl_tag, tag
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, kind_of, set_phase, tag
 from ..layout.placement import WORLD
 from ..ir.trace import Phase, tag_of
+from .contract import GraphProperty, graph_pass
 
 
 def _underlying_gradient(node: fx.Node) -> fx.Node:
@@ -47,6 +49,7 @@ def _pack_dtype(flat) -> torch.dtype | None:
     return flat.gradient_reduce_dtype if flat.gradient_reduce_dtype != flat.compute_dtype else None
 
 
+@graph_pass(establishes={GraphProperty.GRADIENTS_REDUCED})
 def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     concatenated = {tag_of(n, "grad_flat"): n for n in graph.nodes
@@ -70,28 +73,30 @@ def reduce_gradients(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 packed = graph.call_function(flatten_gradients, (_pack_dtype(flat), *grads))
             if flat.sharded:
                 issued = graph.call_function(collectives.reduce_scatter, (packed, flat.axis, flat.world))
-                kind = "reduce_scatter"
+                kind = NodeKind.REDUCE_SCATTER
             else:
                 issued = graph.call_function(collectives.all_reduce, (packed, WORLD, ctx.mesh.size))
-                kind = "all_reduce"
-            tag(packed, "pack", flat.name, Phase.BACKWARD)
+                kind = NodeKind.ALL_REDUCE
+            tag(packed, NodeKind.PACK, flat.name, Phase.BACKWARD)
             tag(issued, kind, flat.name, Phase.BACKWARD)
         replicas = ctx.mesh.complement(flat.axis) if flat.sharded else ""
         with graph.inserting_before(cat):
-            done = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", flat.name, Phase.OPTIMIZER)
+            done = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_REDUCE, flat.name,
+                       Phase.OPTIMIZER)
             if replicas and ctx.mesh.group_size(replicas) > 1:  # Note [hybrid reduction]
                 summed = graph.call_function(collectives.all_reduce, (done, replicas, ctx.mesh.group_size(replicas)))
-                tag(summed, "all_reduce", flat.name, Phase.OPTIMIZER)
+                tag(summed, NodeKind.ALL_REDUCE, flat.name, Phase.OPTIMIZER)
                 across.append((done, summed))
-                done = tag(graph.call_function(collectives.wait, (summed,)), "wait_reduce", flat.name,
+                done = tag(graph.call_function(collectives.wait, (summed,)), NodeKind.WAIT_REDUCE, flat.name,
                            Phase.OPTIMIZER)
             # x / 1 is x to the bit: a world of one skips the pass over every gradient (a view instead).
             average = (torch.ops.aten.div.Tensor, (done, ctx.mesh.size)) if ctx.mesh.size > 1 else \
                 (torch.ops.aten.alias.default, (done,))
-            averaged = tag(graph.call_function(*average), "average", flat.name, Phase.OPTIMIZER)
+            averaged = tag(graph.call_function(*average), NodeKind.AVERAGE, flat.name, Phase.OPTIMIZER)
             if flat.gradient_reduce_dtype != flat.dtype:  # mixed precision: back to the master dtype
                 averaged = tag(graph.call_function(torch.ops.prims.convert_element_type.default,
-                                                   (averaged, flat.dtype)), "average", flat.name, Phase.OPTIMIZER)
+                                                   (averaged, flat.dtype)), NodeKind.AVERAGE, flat.name,
+                               Phase.OPTIMIZER)
         cat.replace_all_uses_with(averaged)
     _overlap_hybrid_reductions(graph, across)
     collectives.eliminate_dead_code(graph)
@@ -113,7 +118,7 @@ def _overlap_hybrid_reductions(graph: fx.Graph, across: list[tuple[fx.Node, fx.N
     if not across:
         return
     order = positions(graph)
-    packs = sorted((n for n in graph.nodes if sl_tag(n).get("kind") == "pack"), key=order.__getitem__)
+    packs = sorted((n for n in graph.nodes if kind_of(n) is NodeKind.PACK), key=order.__getitem__)
     for rs_wait, ar_issue in across:
         issue_at = order[rs_wait.args[0]]
         later = [p for p in packs if order[p] > issue_at]

@@ -36,29 +36,32 @@ import torch.fx as fx
 
 from ..ir import collectives
 from .context import CompileContext
-from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions, set_phase, sl_tag, tag
-from ..layout.placement import Strategy
+from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions
+from ..ir.tags import NodeKind, kind_of, node_tag, set_phase, tag
+from shardlang.spec.vocabulary import Strategy
 from ..ir.trace import Phase, phase_of
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(requires={GraphProperty.PARAMETERS_GATHERED}, establishes={GraphProperty.GATHERS_FREED})
 def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     resharded = {f.name for f in ctx.flats if f.strategy is Strategy.ZERO3}
     regathered = False
     for wait in _gathered(graph):
-        if sl_tag(wait)["flat"] in resharded:
-            _regather_for_backward(graph, wait, alias_closure(wait), sl_tag(wait)["flat"])
+        if node_tag(wait).flat in resharded:
+            _regather_for_backward(graph, wait, alias_closure(wait), node_tag(wait).flat)
             regathered = True
     if regathered:
         collectives.eliminate_dead_code(graph)  # forward views that only backward read
     for wait in _gathered(graph):
-        _insert_free(graph, alias_closure(wait), sl_tag(wait)["flat"])
+        _insert_free(graph, alias_closure(wait), node_tag(wait).flat)
     gm.recompile()
     return gm
 
 
 def _gathered(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if sl_tag(n).get("kind") == "wait_gather"]
+    return [n for n in graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER]
 
 
 def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node], flat: str) -> fx.Node | None:
@@ -75,12 +78,12 @@ def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node
     issue = wait.args[0]
     with graph.inserting_before(anchor):
         args = issue.args
-        if sl_tag(args[0]).get("kind") == "cast":  # mixed precision: cast the shard again, don't keep the copy
+        if kind_of(args[0]) is NodeKind.CAST:  # mixed precision: cast the shard again, don't keep the copy
             args = (graph.node_copy(args[0]), *args[1:])
             set_phase(args[0], Phase.BACKWARD)
-        reissued = tag(graph.call_function(collectives.all_gather, args), "all_gather", flat, Phase.BACKWARD,
+        reissued = tag(graph.call_function(collectives.all_gather, args), NodeKind.ALL_GATHER, flat, Phase.BACKWARD,
                        regather=True)
-        rewait = tag(graph.call_function(collectives.wait, (reissued,)), "wait_gather", flat, Phase.BACKWARD)
+        rewait = tag(graph.call_function(collectives.wait, (reissued,)), NodeKind.WAIT_GATHER, flat, Phase.BACKWARD)
         copies = {wait: rewait}
         for node in closure[1:]:
             if not _reaches_backward(node, in_closure, is_backward_reader):
@@ -101,7 +104,7 @@ def _gathers_between(order, start: fx.Node, end: fx.Node) -> bool:
         return False
     node = start.next
     while node is not end and node.op != "root":
-        if sl_tag(node).get("kind") == "all_gather":
+        if kind_of(node) is NodeKind.ALL_GATHER:
             return True
         node = node.next
     return False
@@ -128,7 +131,7 @@ def _insert_free(graph: fx.Graph, closure: list[fx.Node], flat: str) -> None:
     if last is None:
         last = closure[-1]
     with graph.inserting_after(last):
-        tag(graph.call_function(collectives.free, tuple(_kept_until_free(closure))), "free", flat,
+        tag(graph.call_function(collectives.free, tuple(_kept_until_free(closure))), NodeKind.FREE, flat,
             phase_of(last) or Phase.FORWARD)
 
 
@@ -143,6 +146,6 @@ def _kept_until_free(closure: list[fx.Node]) -> list[fx.Node]:
     """
     buffer = closure[0]
     readers = list(buffer.users)
-    if readers and all(sl_tag(u).get("kind") == "unpack" and unpack_copies(u) for u in readers):
+    if readers and all(kind_of(u) is NodeKind.UNPACK and unpack_copies(u) for u in readers):
         return closure[1:]
     return closure

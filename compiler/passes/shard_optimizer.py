@@ -19,22 +19,25 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .context import CompileContext
-from ..errors import CompileError
-from ..ir.graph_utils import sl_tag
+from shardlang.errors import CompileError
+from ..ir.tags import NodeKind, is_inserted, kind_of
 from ..ir.shapes import propagate_shapes
 from ..ir.trace import Phase, phase_of
+from .contract import GraphProperty, graph_pass
 
-_READABLE_KINDS = {"wait_reduce", "average", "clip", "skip"}
+_READABLE_KINDS = {NodeKind.WAIT_REDUCE, NodeKind.AVERAGE, NodeKind.CLIP, NodeKind.SKIP}
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.UPDATED_SHARDS_GATHERED},
+            establishes={GraphProperty.OPTIMIZER_SHARDED, GraphProperty.SHAPES_PROPAGATED})
 def shard_optimizer(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
-        if phase_of(node) is not Phase.OPTIMIZER or sl_tag(node):
+        if phase_of(node) is not Phase.OPTIMIZER or is_inserted(node):
             continue
         for arg in node.all_input_nodes:
             if arg.op == "placeholder" or phase_of(arg) is Phase.OPTIMIZER:
                 continue
-            if sl_tag(arg).get("kind") in _READABLE_KINDS:
+            if kind_of(arg) in _READABLE_KINDS:
                 continue
             raise CompileError(
                 f"optimizer node {node.name} ({node.target}) reads {arg.name}, a {phase_of(arg)} value; "

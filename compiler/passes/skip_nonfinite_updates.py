@@ -29,15 +29,19 @@ import torch.fx as fx
 
 from ..ir import collectives
 from .context import CompileContext
-from ..errors import CompileError
-from ..ir.graph_utils import positions, tag
+from shardlang.errors import CompileError
+from ..ir.graph_utils import positions
+from ..ir.tags import NodeKind, tag
 from ..ir.trace import Phase, phase_of
 from ._norm import find_norm, global_norm
 from ._order import is_update, move_after, optimizer_gradients
+from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten
 
 
+@graph_pass(requires={GraphProperty.GRADIENTS_REDUCED, GraphProperty.GRADIENTS_CLIPPED},
+            establishes={GraphProperty.NONFINITE_SKIPPED})
 def skip_nonfinite_updates(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.training.skip_nonfinite:
         return gm
@@ -54,7 +58,7 @@ def skip_nonfinite_updates(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
             norm, per_flat = global_norm(graph, ctx, grads, per_flat=True)
         output.args = ((output.args[0], norm),)
     with graph.inserting_after(norm):
-        finite = tag(graph.call_function(_aten.isfinite.default, (norm,)), "skip", None, Phase.OPTIMIZER)
+        finite = tag(graph.call_function(_aten.isfinite.default, (norm,)), NodeKind.SKIP, None, Phase.OPTIMIZER)
     move_after(graph, finite, is_update, "skipping non-finite updates")
     for root, chain in _update_chains(graph):
         _select(graph, root, chain, finite)

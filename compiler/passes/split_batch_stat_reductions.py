@@ -14,10 +14,12 @@ import torch.fx as fx
 
 from ..ir import collectives
 from .context import CompileContext
-from ..ir.graph_utils import tag
+from ..ir.tags import NodeKind, tag
 from ..ir.trace import phase_of
+from .contract import GraphProperty, graph_pass
 
 
+@graph_pass(establishes={GraphProperty.BATCH_STATS_ISSUED})
 def split_batch_stat_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     nodes = [n for n in graph.nodes if n.target is torch.ops.shardlang.all_reduce_sum.default]
@@ -27,9 +29,9 @@ def split_batch_stat_reductions(gm: fx.GraphModule, ctx: CompileContext) -> fx.G
         x, axis, size = node.args
         phase = phase_of(node)
         with graph.inserting_before(node):
-            issued = tag(graph.call_function(collectives.all_reduce, (x, axis, size)), "all_reduce", None, phase,
+            issued = tag(graph.call_function(collectives.all_reduce, (x, axis, size)), NodeKind.ALL_REDUCE, None, phase,
                          detail="batch statistics")
-            done = tag(graph.call_function(collectives.wait, (issued,)), "wait_reduce", None, phase)
+            done = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_REDUCE, None, phase)
         node.replace_all_uses_with(done)
         graph.erase_node(node)
     gm.recompile()

@@ -33,9 +33,11 @@ import torch.fx as fx
 
 from ..ir import collectives
 from ..passes.context import CompileContext
-from ..ir.graph_utils import alias_closure, sl_tag, unpack_copies
+from ..ir.graph_utils import alias_closure, unpack_copies
+from ..ir.tags import NodeKind, kind_of, node_tag
 from ..layout.member_updates import written_in_place
 from ..layout.placement import WORLD
+from shardlang.spec.vocabulary import Strategy
 from ..ir.trace import Phase, phase_of, tag_of
 
 
@@ -65,7 +67,7 @@ class ScheduleOp:
 
     index: int
     kind: OpKind
-    phase: str
+    phase: Phase = attrs.field(converter=Phase)
     unit: str | None = None
     flat: str | None = None
     bytes: int = 0
@@ -82,6 +84,7 @@ class ScheduleOp:
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=False, filter=lambda a, _v: a.name != "node_names")
         d["kind"] = self.kind.value
+        d["phase"] = self.phase.value
         d["uses"] = list(self.uses)
         return d
 
@@ -93,7 +96,7 @@ class FlatSummary:
     ``local_numel`` is the shard a rank's optimizer updates (and the size of each
     optimizer state tensor); ``held_numel`` the parameter storage a rank holds:
     the shard under ZERO3 / ZERO2, the whole (padded) flat parameter under ZERO1
-    and DDP. ``strategy`` is a `compiler.layout.placement.Strategy` value; ``axis`` the
+    and DDP. ``strategy`` is its `shardlang.spec.vocabulary.Strategy`; ``axis`` the
     mesh axis it is sharded over (None when replicated).
     """
 
@@ -106,7 +109,7 @@ class FlatSummary:
     local_numel: int
     element_size: int
     members: tuple[str, ...]
-    strategy: str = "zero3"
+    strategy: Strategy = attrs.field(default=Strategy.ZERO3, converter=Strategy)
     held_numel: int = 0
     axis: str | None = None
 
@@ -173,10 +176,10 @@ class Schedule:
     def flat(self, name: str) -> FlatSummary:
         return next(f for f in self.flats if f.name == name)
 
-    def by_strategy(self) -> dict[str, dict[str, int]]:
+    def by_strategy(self) -> dict[Strategy, dict[str, int]]:
         """Per strategy: its flat parameters, the parameter bytes a rank holds, and its payload bytes by collective.
 
-        Example: ``schedule.by_strategy()["zero1"] == {"flats": 2, "held_bytes": ..., "all_gather": ...,
+        Example: ``schedule.by_strategy()[Strategy.ZERO1] == {"flats": 2, "held_bytes": ..., "all_gather": ...,
         "reduce_scatter": ..., "all_reduce": 0}``. Collectives of no flat parameter (BatchNorm statistics,
         a gradient norm) are not counted here.
         """
@@ -197,12 +200,13 @@ class Schedule:
             "world_size": self.world_size,
             "mesh": dict(self.mesh),
             "options": dict(self.options),
-            "flats": [attrs.asdict(f) | {"padded_bytes": f.padded_bytes} for f in self.flats],
+            "flats": [attrs.asdict(f) | {"strategy": f.strategy.value, "padded_bytes": f.padded_bytes}
+                      for f in self.flats],
             "ops": [op.to_dict() for op in self.ops],
             "collectives": summary.collectives,
             "bytes_per_rank": summary.bytes_per_rank,
             "wire_bytes_per_rank": summary.wire_bytes_per_rank,
-            "bytes_by_strategy": self.by_strategy(),
+            "bytes_by_strategy": {s.value: row for s, row in self.by_strategy().items()},
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -292,7 +296,7 @@ def _flat_summary(flat) -> FlatSummary:
         name=flat.name, unit=flat.unit, sharded=flat.sharded, trainable=flat.trainable, numel=flat.numel,
         padded_numel=flat.padded_numel if flat.sharded else flat.numel,
         local_numel=flat.shard_numel if flat.sharded else flat.numel, element_size=flat.element_size,
-        members=tuple(m.name for m in flat.members), strategy=flat.strategy.value, held_numel=flat.storage_numel,
+        members=tuple(m.name for m in flat.members), strategy=flat.strategy, held_numel=flat.storage_numel,
         axis=flat.axis,
     )
 
@@ -300,8 +304,8 @@ def _flat_summary(flat) -> FlatSummary:
 def _freed_bytes(free: fx.Node) -> int:
     """The storage a ``free`` releases: the gathered buffer, or the copies unpacked from it
     (Note [copy-out frees the buffer] in passes/reshard_after_forward.py)."""
-    held = [a for a in free.args if sl_tag(a).get("kind") == "wait_gather"
-            or (sl_tag(a).get("kind") == "unpack" and unpack_copies(a))]
+    held = [a for a in free.args if kind_of(a) is NodeKind.WAIT_GATHER
+            or (kind_of(a) is NodeKind.UNPACK and unpack_copies(a))]
     return sum(_nbytes(a) for a in held)
 
 
@@ -321,7 +325,7 @@ class _Builder:
         self.segment: dict | None = None
         self.microbatch: int | None = None  # of the node being visited
 
-    def add(self, kind: OpKind, phase: str, **fields) -> None:
+    def add(self, kind: OpKind, phase: Phase, **fields) -> None:
         fields.setdefault("microbatch", self.microbatch)
         self.ops.append(ScheduleOp(index=len(self.ops), kind=kind, phase=phase, **fields))
 
@@ -335,40 +339,40 @@ class _Builder:
         if microbatch != self.microbatch:  # an op belongs to one micro-batch
             self.close_segment()
             self.microbatch = microbatch
-        tag = sl_tag(node)
-        kind, flat = tag.get("kind"), tag.get("flat")
-        phase = (phase_of(node) or Phase.FORWARD).value
-        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        tag = node_tag(node)
+        kind, flat = (tag.kind, tag.flat) if tag is not None else (None, None)
+        phase = phase_of(node) or Phase.FORWARD
+        if kind is not None and kind.is_collective:
             self.close_segment()
             handle = len(self.handles)
             self.handles[node] = handle
-            nbytes = _nbytes(node) if kind == "all_gather" else _nbytes(node.args[0])
+            nbytes = _nbytes(node) if kind is NodeKind.ALL_GATHER else _nbytes(node.args[0])
             group, group_size = collectives.group_of(node) or (None, 0)
-            detail = tag.get("detail") or ("re-gather for backward" if tag.get("regather") else
-                                           "updated shards" if tag.get("update") else
-                                           "across replicas" if kind == "all_reduce" and flat and group != WORLD else "")
-            self.add(OpKind(kind), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
+            detail = tag.detail or ("re-gather for backward" if tag.regather else
+                                    "updated shards" if tag.update else
+                                    "across replicas" if kind is NodeKind.ALL_REDUCE and flat and group != WORLD else "")
+            self.add(OpKind(kind.value), phase, unit=self.unit_of(flat), flat=flat, bytes=nbytes, handle=handle,
                      detail=detail, group=group, group_size=group_size, node_names=(node.name,))
-        elif kind in ("wait_gather", "wait_reduce", "wait_update"):
+        elif kind is not None and kind.is_wait:
             self.close_segment()
             self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]),
                      node_names=(node.name,))
-            if kind == "wait_gather":
+            if kind is NodeKind.WAIT_GATHER:
                 for alias in alias_closure(node):
                     self.gathered[alias] = flat
-        elif kind == "free":
+        elif kind is NodeKind.FREE:
             self.close_segment()
             self.add(OpKind.FREE, phase, unit=self.unit_of(flat), flat=flat, bytes=_freed_bytes(node),
                      node_names=(node.name,))
-        elif phase == Phase.OPTIMIZER.value and tag_of(node, "flat") and not kind:
+        elif phase is Phase.OPTIMIZER and tag_of(node, "flat") and not kind:
             self.extend_segment(node, OpKind.OPTIMIZER, phase, tag_of(node, "flat"))
         else:
             self.extend_segment(node, OpKind.COMPUTE, phase, None, tag_of(node, "recompute"))
 
-    def extend_segment(self, node: fx.Node, kind: OpKind, phase: str, flat: str | None,
+    def extend_segment(self, node: fx.Node, kind: OpKind, phase: Phase, flat: str | None,
                        recompute: str | None = None) -> None:
         seg = self.segment
-        if (seg is None or seg["kind"] is not kind or seg["phase"] != phase or seg["flat"] != flat
+        if (seg is None or seg["kind"] is not kind or seg["phase"] is not phase or seg["flat"] != flat
                 or seg["recompute"] != recompute):
             self.close_segment()
             seg = self.segment = {"kind": kind, "phase": phase, "flat": flat, "nodes": 0, "uses": [], "numel": 0,

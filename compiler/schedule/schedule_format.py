@@ -55,8 +55,8 @@ def _strategy_lines(schedule: Schedule) -> list[str]:
     """Per strategy: flat parameters, parameter bytes held per rank, payload per rank by collective."""
     rows = schedule.by_strategy()
     lines = [f"{'strategy':<10}{'flats':>6}{'held/rank':>13}{'all_gather':>13}{'reduce_scatter':>16}{'all_reduce':>13}"]
-    for name, row in rows.items():
-        lines.append(f"{name:<10}{row['flats']:>6}{human_bytes(row['held_bytes']):>13}"
+    for strategy, row in rows.items():
+        lines.append(f"{strategy.value:<10}{row['flats']:>6}{human_bytes(row['held_bytes']):>13}"
                      f"{human_bytes(row['all_gather']):>13}{human_bytes(row['reduce_scatter']):>16}"
                      f"{human_bytes(row['all_reduce']):>13}")
     return lines
@@ -64,7 +64,7 @@ def _strategy_lines(schedule: Schedule) -> list[str]:
 
 def _phase(op) -> str:
     """The op's phase, and its micro-batch when there are several: ``forward[1]``."""
-    return op.phase if op.microbatch is None else f"{op.phase}[{op.microbatch}]"
+    return op.phase.value if op.microbatch is None else f"{op.phase.value}[{op.microbatch}]"
 
 
 def _unit(unit: str | None) -> str:

@@ -30,8 +30,10 @@ Tests run it after every pass; `compile` runs it once at the end.
 
 from __future__ import annotations
 
-from ..errors import ScheduleError
-from ..layout.placement import WORLD, Strategy
+from shardlang.errors import ScheduleError
+from ..ir.trace import Phase
+from ..layout.placement import WORLD
+from shardlang.spec.vocabulary import Strategy
 from .schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 
@@ -45,6 +47,16 @@ def verify(schedule: Schedule) -> None:
     _check_optimizer_locality(schedule)
     _check_strategies(schedule)
     _check_recompute(schedule)
+
+
+def verify_structure(schedule: Schedule, *, frees_placed: bool = True) -> None:
+    """What holds after every pass: each collective is waited for; with ``frees_placed``, each gather is freed.
+
+    The pipeline checks this between passes (``check_each_pass``); `verify` checks it and the rest at the end.
+    """
+    _check_waits(schedule)
+    if frees_placed:
+        _check_gather_lifetimes(schedule)
 
 
 def _check_waits(schedule: Schedule) -> None:
@@ -67,7 +79,7 @@ def _check_waits(schedule: Schedule) -> None:
 
 def _check_gather_lifetimes(schedule: Schedule) -> None:
     live: dict[str, int] = {}  # flat -> index of the wait that made it live
-    updates = {f.name for f in schedule.flats if f.strategy == Strategy.ZERO1.value}  # gathered into storage
+    updates = {f.name for f in schedule.flats if f.strategy is Strategy.ZERO1}  # gathered into storage
     gathers: dict[int, str] = {op.handle: op.flat for op in schedule.ops
                                if op.kind is OpKind.ALL_GATHER and op.flat not in updates}
     for op in schedule.ops:
@@ -82,7 +94,7 @@ def _check_gather_lifetimes(schedule: Schedule) -> None:
         elif op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER):
             for flat in op.uses:
                 if flat not in live:
-                    raise ScheduleError(f"op {op.index} ({op.phase} compute) reads {flat} while it is not gathered")
+                    raise ScheduleError(f"op {op.index} ({op.phase.value} compute) reads {flat} while it is not gathered")
     if live:
         flat = next(iter(live))
         raise ScheduleError(f"{flat} is gathered at op {live[flat]} and never freed")
@@ -92,17 +104,18 @@ def _check_forward_only(schedule: Schedule) -> None:
     """An evaluation schedule: forward ops, no reductions, no updates, one gather per gathered flat at most."""
     gathered: dict[str, int] = {}
     for op in schedule.ops:
-        if op.phase != "forward":
-            raise ScheduleError(f"op {op.index} ({op.kind.value}) of an evaluation schedule is in phase {op.phase}; "
+        if op.phase is not Phase.FORWARD:
+            raise ScheduleError(f"op {op.index} ({op.kind.value}) of an evaluation schedule is in phase "
+                                f"{op.phase.value}; "
                                 "evaluation is forward only")
         if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.OPTIMIZER):
             raise ScheduleError(f"op {op.index} of an evaluation schedule is a {op.kind.value}"
                                 + (f" of {op.flat}" if op.flat else "") + "; evaluation reduces and updates nothing")
         if op.kind is OpKind.ALL_GATHER:
             flat = schedule.flat(op.flat)
-            if flat.strategy in (Strategy.ZERO1.value, Strategy.DDP.value):
-                raise ScheduleError(f"{flat.strategy} {flat.name} is gathered at op {op.index}; under "
-                                    f"{flat.strategy} every rank holds the whole parameter")
+            if not flat.strategy.shards_parameters:
+                raise ScheduleError(f"{flat.strategy.value} {flat.name} is gathered at op {op.index}; under "
+                                    f"{flat.strategy.value} every rank holds the whole parameter")
             if op.flat in gathered:
                 raise ScheduleError(f"{op.flat} is gathered twice in an evaluation schedule (ops "
                                     f"{gathered[op.flat]} and {op.index}); forward needs it once")
@@ -182,10 +195,10 @@ def _check_strategies(schedule: Schedule) -> None:
         if op.kind is OpKind.ALL_GATHER:
             gathers.setdefault(op.flat, []).append(op)
     updated = {op.flat: op.index for op in schedule.ops if op.kind is OpKind.OPTIMIZER}
-    allowed = {Strategy.ZERO3.value: 2, Strategy.ZERO2.value: 1, Strategy.DDP.value: 0}
+    allowed = {Strategy.ZERO3: 2, Strategy.ZERO2: 1, Strategy.DDP: 0}
     for flat in schedule.flats:
         ops = gathers.get(flat.name, [])
-        if flat.strategy == Strategy.ZERO1.value:
+        if flat.strategy is Strategy.ZERO1:
             early = [op for op in ops if flat.name not in updated or op.index < updated[flat.name]]
             if early:
                 raise ScheduleError(f"zero1 {flat.name} is gathered at op {early[0].index}, before its update; "
@@ -195,8 +208,8 @@ def _check_strategies(schedule: Schedule) -> None:
                 raise ScheduleError(f"zero1 {flat.name} gathers its updated shards {len(ops)} times, "
                                     f"expected {expected}")
         elif _most_in_one_microbatch(ops) > allowed.get(flat.strategy, 0):
-            raise ScheduleError(f"{flat.strategy} {flat.name} is gathered {len(ops)} times (ops "
-                                f"{[op.index for op in ops]}); {flat.strategy} allows at most "
+            raise ScheduleError(f"{flat.strategy.value} {flat.name} is gathered {len(ops)} times (ops "
+                                f"{[op.index for op in ops]}); {flat.strategy.value} allows at most "
                                 f"{allowed.get(flat.strategy, 0)}")
 
 
@@ -208,13 +221,13 @@ def _check_recompute(schedule: Schedule) -> None:
     last_forward: dict = {}  # micro-batch -> its last forward op before its first backward op
     started: set = set()
     for op in ops:
-        if op.phase == "backward":
+        if op.phase is Phase.BACKWARD:
             started.add(op.microbatch)
-        elif op.phase == "forward" and op.microbatch not in started:
+        elif op.phase is Phase.FORWARD and op.microbatch not in started:
             last_forward[op.microbatch] = op.index
     for op in recomputes:
-        if op.phase != "backward" or op.index < last_forward.get(op.microbatch, -1):
-            raise ScheduleError(f"op {op.index} recomputes unit {op.unit or '<root>'} in {op.phase}, before forward "
+        if op.phase is not Phase.BACKWARD or op.index < last_forward.get(op.microbatch, -1):
+            raise ScheduleError(f"op {op.index} recomputes unit {op.unit or '<root>'} in {op.phase.value}, before forward "
                                 f"ends (op {last_forward.get(op.microbatch)}); a recompute belongs to backward")
         for flat in op.uses:
             _check_gather_reused(schedule, op, flat)
@@ -225,7 +238,7 @@ def _check_gather_reused(schedule: Schedule, recompute, flat: str) -> None:
     for op in schedule.ops[recompute.index + 1:]:
         if op.kind is OpKind.FREE and op.flat == flat:
             break
-        if op.kind is OpKind.COMPUTE and op.detail != "recompute" and op.phase == "backward" and flat in op.uses:
+        if op.kind is OpKind.COMPUTE and op.detail != "recompute" and op.phase is Phase.BACKWARD and flat in op.uses:
             return
     raise ScheduleError(f"op {recompute.index} recomputes unit {recompute.unit or '<root>'} reading {flat}, but no "
                         "backward op reads that gather after it: the recompute gathered its parameters for itself "

@@ -92,9 +92,9 @@ def _shade_phases(ax, schedule, label_y: float) -> None:
     ops = schedule.ops
     for i in range(1, len(ops) + 1):
         if i == len(ops) or ops[i].phase != ops[start].phase:
-            ax.axvspan(start - 0.5, i - 0.5, color=_PHASE_SHADE.get(ops[start].phase, "white"), zorder=0)
+            ax.axvspan(start - 0.5, i - 0.5, color=_PHASE_SHADE.get(ops[start].phase.value, "white"), zorder=0)
             if i - start > 2:
-                ax.text((start + i - 1) / 2, label_y, ops[start].phase, ha="center", va="top", fontsize=8,
+                ax.text((start + i - 1) / 2, label_y, ops[start].phase.value, ha="center", va="top", fontsize=8,
                         color="grey")
             start = i
 

@@ -35,7 +35,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: How long a collective may wait for its peers before it fails (NCCL's default; torch's gloo default is 30 min).

@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 
 
 class PoolState(enum.Enum):

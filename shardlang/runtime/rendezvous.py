@@ -28,7 +28,7 @@ import socket
 
 import torch.distributed as dist
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 
 LOCALHOST = "127.0.0.1"
 LISTEN_BACKLOG = 1024  # every rank connects at once, more than once per process group

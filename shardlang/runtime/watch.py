@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from shardlang.compiler.lower.emit import failing_node, is_bound_collective
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 from shardlang.compiler.schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule, ScheduleOp
 from shardlang.runtime.dist import DistContext
 
@@ -168,7 +168,7 @@ def describe_op(op: ScheduleOp | None, schedule: Schedule) -> str:
     if op.kind is OpKind.WAIT and op.handle is not None:
         target = next((o for o in schedule.ops if o.kind in COLLECTIVE_KINDS and o.handle == op.handle), op)
     what = f"{target.kind.value}" + (f" of unit {target.unit!r}" if target.unit else "") + \
-        (f" ({target.detail})" if target.detail else "") + f", {target.phase}"
+        (f" ({target.detail})" if target.detail else "") + f", {target.phase.value}"
     if target is not op:
         return f"schedule op {op.index} (wait for op {target.index}: {what})"
     return f"schedule op {op.index} ({what})"

@@ -31,7 +31,7 @@ import attrs
 import torch
 import tqdm
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 from shardlang.compiler.ir.torch_logs import drop_no_action_warnings
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_with_store, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path

@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 
-from shardlang.compiler.errors import ShardlangRuntimeError
+from shardlang.errors import ShardlangRuntimeError
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, check_timeout
 from shardlang.runtime.failures import (
     FailureKind,

@@ -19,7 +19,7 @@ import re
 
 import attrs
 
-from shardlang.compiler.errors import SpecError
+from shardlang.errors import SpecError
 from shardlang.compiler.layout.placement import MeshShape
 
 __all__ = ["REST", "Mesh", "check_world_size"]

@@ -27,8 +27,8 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from shardlang.compiler.errors import SpecError
-from shardlang.compiler.layout.placement import Recompute
+from shardlang.errors import SpecError
+from shardlang.spec.vocabulary import Recompute
 
 __all__ = ["Recompute", "RecomputeRule", "recompute_rule_from_dict", "to_policy", "to_recompute"]
 

@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from shardlang.compiler.errors import SpecError
+from shardlang.errors import SpecError
 from shardlang.spec.layout import Layout, Replicate, Shard, layout_from_dict, replicate, shard
 
 __all__ = ["Rule", "first_match", "rule_from_dict", "to_rules"]

@@ -27,8 +27,9 @@ from pathlib import Path
 import attrs
 from torch import nn
 
-from shardlang.compiler.errors import SpecError
-from shardlang.compiler.layout.placement import MeshShape, ParamInfo, Placement, Recompute, Strategy
+from shardlang.errors import SpecError
+from shardlang.compiler.layout.placement import MeshShape, ParamInfo, Placement
+from shardlang.spec.vocabulary import Recompute, Strategy
 from shardlang.spec.layout import Layout, Replicate, Shard, shard
 from shardlang.spec.mesh import Mesh, check_world_size
 from shardlang.spec.precision import MixedPrecision

@@ -31,8 +31,8 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from shardlang.compiler.errors import SpecError
-from shardlang.compiler.layout.placement import Strategy
+from shardlang.errors import SpecError
+from shardlang.spec.vocabulary import Strategy
 
 __all__ = ["DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3", "strategy_rule_from_dict", "to_strategies",
            "to_strategy"]

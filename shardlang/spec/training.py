@@ -30,7 +30,8 @@ from fnmatch import fnmatchcase
 import attrs
 
 from ..compiler.layout.optim import GROUP_KEYS
-from ..compiler.ir.training import Accumulation, RandomScheme, Training
+from ..compiler.ir.training import Training
+from shardlang.spec.vocabulary import Accumulation, RandomScheme
 from ..errors import SpecError
 
 __all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "torch_param_groups",

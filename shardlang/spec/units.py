@@ -32,7 +32,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from shardlang.compiler.errors import SpecError
+from shardlang.errors import SpecError
 
 __all__ = ["ROOT_UNIT", "assign_units", "default_units", "find_units", "to_units", "unit_label", "unit_of"]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..compiler.ir.rng import has_random_ops
-from ..compiler.ir.training import RandomScheme, per_rank_seed
+from ..compiler.ir.training import per_rank_seed
+from shardlang.spec.vocabulary import RandomScheme
 
 
 class StepRandom:

@@ -21,7 +21,7 @@ from ..compiler.lower.backend import StepBackend, compile_graph
 from ..compiler.compile import CompiledStep
 from ..compiler.lower.emit import WORLD_AXIS, bind, group_keys
 from ..compiler.layout.flat import unpack_member
-from ..compiler.ir.graph_utils import sl_tag
+from ..compiler.ir.tags import node_tag
 from ..compiler.layout.optim import hyper_name
 from ..compiler.schedule.schedule import Schedule
 from ..errors import ShardlangRuntimeError, SpecError
@@ -269,8 +269,8 @@ class Step:
         """``, first in unit 'u' (backward order; k of n units)`` from the per-flat squared norms."""
         if self._flat_sq_norms is None:
             return ""
-        names = next((sl_tag(n).get("flats") for n in self.compiled.graph_module.graph.nodes if sl_tag(n).get("norm")),
-                     ())  # the vector's order (`compiler/passes/_norm.py`)
+        names = next((t.flats for n in self.compiled.graph_module.graph.nodes
+                      if (t := node_tag(n)) is not None and t.norm), ())  # the vector's order (`compiler/passes/_norm.py`)
         bad = [n for n, v in zip(names, self._flat_sq_norms.tolist()) if not math.isfinite(v)]
         units = list(dict.fromkeys(f.unit for f in self.compiled.flats if f.trainable))
         bad_units = list(dict.fromkeys(self.compiled.context.flat(n).unit for n in bad))
