@@ -22,18 +22,13 @@ unit's backward gather, so it adds compute, never a collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from fnmatch import fnmatchcase
-
 import attrs
 
 from shardlang.errors import SpecError
+from shardlang.spec.patterns import PatternRule, TableKind, checked_pattern, rule_from_table, to_table
 from shardlang.spec.vocabulary import Recompute
 
 __all__ = ["Recompute", "RecomputeRule", "recompute_rule_from_dict", "to_policy", "to_recompute"]
-
-_EXAMPLE = "('blocks.*', 'full')"
-_KEYS = ("pattern", "policy")
 
 
 def to_policy(value: object, where: str) -> Recompute:
@@ -51,14 +46,16 @@ def to_policy(value: object, where: str) -> Recompute:
     )
 
 
-def _check_pattern(_instance: object, _attribute: object, pattern: object) -> None:
-    if not isinstance(pattern, str) or not pattern:
-        raise SpecError(f"RecomputeRule: pattern is {pattern!r}; a pattern is a non-empty glob over unit names such "
-                        "as 'blocks.*', '*' or '<root>'")
+RECOMPUTE = TableKind(
+    name="recompute", verb="is", rule="a recompute rule", value_word="policy", pair="(unit pattern, policy)",
+    over="unit names", patterns="'blocks.*', '*' or '<root>'", example="('blocks.*', 'full')",
+    list_example="('blocks.*', 'full')", table_example="{pattern = 'blocks.*', policy = 'full'}",
+    to_value=to_policy, value_from_table=lambda d, where: to_policy(d["policy"], where),
+    keys=("pattern", "policy"), everywhere=Recompute, everywhere_example="sl.Recompute.FULL")
 
 
 @attrs.frozen(repr=False)
-class RecomputeRule:
+class RecomputeRule(PatternRule):
     """Units whose name matches ``pattern`` use recompute ``policy``. Unpacks like the pair it is written as.
 
     Example::
@@ -70,21 +67,11 @@ class RecomputeRule:
         (True, False)
     """
 
-    pattern: str = attrs.field(validator=_check_pattern)
+    pattern: str = attrs.field(validator=lambda _i, _a, p: checked_pattern(p, "RecomputeRule", RECOMPUTE))
     policy: Recompute = attrs.field(converter=lambda p: to_policy(p, "RecomputeRule"))
 
     def __repr__(self) -> str:
         return f"RecomputeRule({self.pattern!r}, {self.policy.value!r})"
-
-    def _repr_pretty_(self, printer: object, cycle: bool) -> None:
-        printer.text(repr(self))  # type: ignore[attr-defined]
-
-    def __iter__(self) -> Iterator[object]:
-        return iter((self.pattern, self.policy))
-
-    def matches(self, unit_label: str) -> bool:
-        """Whether ``pattern`` matches all of a unit's label (``<root>`` for the root unit)."""
-        return fnmatchcase(unit_label, self.pattern)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'pattern': 'blocks.*', 'policy': 'full'}``."""
@@ -102,30 +89,7 @@ def to_recompute(value: object) -> tuple[RecomputeRule, ...] | None:
         >>> to_recompute(Recompute.SELECTIVE)
         (RecomputeRule('*', 'selective'),)
     """
-    if value is None:
-        return None
-    if isinstance(value, Recompute):
-        return (RecomputeRule("*", value),)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise SpecError(
-            f"recompute is {value!r}; recompute is a list of (unit pattern, policy) pairs, first match wins, "
-            f"e.g. [{_EXAMPLE}], or one policy for every unit, e.g. sl.Recompute.FULL"
-        )
-    rules = []
-    for i, item in enumerate(value):
-        where = f"recompute[{i}]"
-        if isinstance(item, RecomputeRule):
-            rules.append(item)
-            continue
-        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
-            raise SpecError(f"{where} is {item!r}; a recompute rule is a (unit pattern, policy) pair such as "
-                            f"{_EXAMPLE}")
-        pattern, policy = item
-        if not isinstance(pattern, str) or not pattern:
-            raise SpecError(f"{where}: pattern is {pattern!r}; a pattern is a non-empty glob over unit names such "
-                            "as 'blocks.*', '*' or '<root>'")
-        rules.append(RecomputeRule(pattern, to_policy(policy, where)))
-    return tuple(rules)
+    return to_table(value, RECOMPUTE, RecomputeRule)
 
 
 def recompute_rule_from_dict(d: object, where: str) -> RecomputeRule:
@@ -136,14 +100,4 @@ def recompute_rule_from_dict(d: object, where: str) -> RecomputeRule:
         >>> recompute_rule_from_dict({"pattern": "blocks.*", "policy": "selective"}, "recompute[0]")
         RecomputeRule('blocks.*', 'selective')
     """
-    example = "{pattern = 'blocks.*', policy = 'full'}"
-    if not isinstance(d, Mapping):
-        raise SpecError(f"{where} is {d!r}; a recompute rule is a table such as {example}")
-    for key in d:
-        if key not in _KEYS:
-            raise SpecError(f"{where}: unknown key {key!r}; valid keys are {list(_KEYS)}")
-    for key in _KEYS:
-        if key not in d:
-            raise SpecError(f"{where}: missing key {key!r}; a recompute rule is a table such as {example}")
-    (rule,) = to_recompute([(d["pattern"], to_policy(d["policy"], where))])
-    return rule
+    return rule_from_table(d, where, RECOMPUTE, RecomputeRule)

@@ -26,12 +26,10 @@ how a sharded parameter is split (flat or along a dim, over which axis); a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from fnmatch import fnmatchcase
-
 import attrs
 
 from shardlang.errors import SpecError
+from shardlang.spec.patterns import PatternRule, TableKind, checked_pattern, rule_from_table, to_table
 from shardlang.spec.vocabulary import Strategy
 
 __all__ = ["DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3", "strategy_rule_from_dict", "to_strategies",
@@ -52,8 +50,6 @@ _NAMES = {
     "zero1": ZeRO1, "zero-1": ZeRO1,
     "ddp": DDP, "no_shard": DDP,
 }
-_EXAMPLE = "('blocks.*', sl.ZeRO3)"
-_STRATEGY_KEYS = ("pattern", "strategy")
 
 
 def to_strategy(value: object, where: str) -> Strategy:
@@ -72,16 +68,17 @@ def to_strategy(value: object, where: str) -> Strategy:
     )
 
 
-def _check_pattern(_instance: object, _attribute: object, pattern: object) -> None:
-    if not isinstance(pattern, str) or not pattern:
-        raise SpecError(
-            f"StrategyRule: pattern is {pattern!r}; a pattern is a non-empty glob over unit names such as "
-            "'blocks.*', '*' or '<root>'"
-        )
+STRATEGIES = TableKind(
+    name="strategies", verb="are", rule="a strategy rule", value_word="strategy", pair="(unit pattern, strategy)",
+    over="unit names", patterns="'blocks.*', '*' or '<root>'", example="('blocks.*', sl.ZeRO3)",
+    list_example="('blocks.*', sl.ZeRO3), ('*', sl.DDP)",
+    table_example="{pattern = 'blocks.*', strategy = 'zero3'}",
+    to_value=to_strategy, value_from_table=lambda d, where: to_strategy(d["strategy"], where),
+    keys=("pattern", "strategy"), everywhere=Strategy, everywhere_example="sl.ZeRO2")
 
 
 @attrs.frozen(repr=False)
-class StrategyRule:
+class StrategyRule(PatternRule):
     """Units whose name matches ``pattern`` use ``strategy``. Unpacks like the pair it is written as.
 
     Example::
@@ -93,21 +90,11 @@ class StrategyRule:
         (True, False)
     """
 
-    pattern: str = attrs.field(validator=_check_pattern)
+    pattern: str = attrs.field(validator=lambda _i, _a, p: checked_pattern(p, "StrategyRule", STRATEGIES))
     strategy: Strategy = attrs.field(converter=lambda s: to_strategy(s, "StrategyRule"))
 
     def __repr__(self) -> str:
         return f"StrategyRule({self.pattern!r}, {strategy_repr(self.strategy)})"
-
-    def _repr_pretty_(self, printer: object, cycle: bool) -> None:
-        printer.text(repr(self))  # type: ignore[attr-defined]
-
-    def __iter__(self) -> Iterator[object]:
-        return iter((self.pattern, self.strategy))
-
-    def matches(self, unit_label: str) -> bool:
-        """Whether ``pattern`` matches all of a unit's label (``<root>`` for the root unit)."""
-        return fnmatchcase(unit_label, self.pattern)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'pattern': 'blocks.*', 'strategy': 'zero2'}``."""
@@ -130,30 +117,7 @@ def to_strategies(value: object) -> tuple[StrategyRule, ...] | None:
         >>> to_strategies(ZeRO1)
         (StrategyRule('*', ZeRO1),)
     """
-    if value is None:
-        return None
-    if isinstance(value, Strategy):
-        return (StrategyRule("*", value),)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise SpecError(
-            f"strategies is {value!r}; strategies are a list of (unit pattern, strategy) pairs, first match "
-            f"wins, e.g. [{_EXAMPLE}, ('*', sl.DDP)], or one strategy for every unit, e.g. sl.ZeRO2"
-        )
-    rules = []
-    for i, item in enumerate(value):
-        where = f"strategies[{i}]"
-        if isinstance(item, StrategyRule):
-            rules.append(item)
-            continue
-        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
-            raise SpecError(f"{where} is {item!r}; a strategy rule is a (unit pattern, strategy) pair such as "
-                            f"{_EXAMPLE}")
-        pattern, strategy = item
-        if not isinstance(pattern, str) or not pattern:
-            raise SpecError(f"{where}: pattern is {pattern!r}; a pattern is a non-empty glob over unit names such "
-                            "as 'blocks.*', '*' or '<root>'")
-        rules.append(StrategyRule(pattern, to_strategy(strategy, where)))
-    return tuple(rules)
+    return to_table(value, STRATEGIES, StrategyRule)
 
 
 def strategy_rule_from_dict(d: object, where: str) -> StrategyRule:
@@ -164,15 +128,4 @@ def strategy_rule_from_dict(d: object, where: str) -> StrategyRule:
         >>> strategy_rule_from_dict({"pattern": "blocks.*", "strategy": "zero2"}, "strategies[0]")
         StrategyRule('blocks.*', ZeRO2)
     """
-    if not isinstance(d, Mapping):
-        raise SpecError(f"{where} is {d!r}; a strategy rule is a table such as "
-                        "{pattern = 'blocks.*', strategy = 'zero3'}")
-    for key in d:
-        if key not in _STRATEGY_KEYS:
-            raise SpecError(f"{where}: unknown key {key!r}; valid keys are {list(_STRATEGY_KEYS)}")
-    for key in _STRATEGY_KEYS:
-        if key not in d:
-            raise SpecError(f"{where}: missing key {key!r}; a strategy rule is a table such as "
-                            "{pattern = 'blocks.*', strategy = 'zero3'}")
-    (rule,) = to_strategies([(d["pattern"], to_strategy(d["strategy"], where))])
-    return rule
+    return rule_from_table(d, where, STRATEGIES, StrategyRule)
