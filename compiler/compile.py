@@ -19,23 +19,19 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .lower.backend import StepBackend
-from .layout.bucket import bucket_flat_params
-from .passes.context import CompileContext
-from .layout.flat import FlatParam, build_flat_params
+from .config import StepConfig
 from .ir.lazy_code import graph_module
+from .ir.replicate import trace_step_replicated
+from .ir.shapes import remember_shapes, shape_memo
+from .ir.tags import verify_tags
+from .ir.trace import TensorShape, TracedStep, trace_step
+from .layout.flat import FlatParam
+from .layout.optim import GroupedOptimizer
+from .passes.context import CompileContext
 from .passes.contract import GraphProperty
 from .passes.pipeline import DEFAULT_PASSES, run_passes
-from .layout.placement import MeshShape, ParamInfo
-from shardlang.spec.vocabulary import Recompute, Strategy
 from .schedule.schedule import Schedule, read_schedule
-from .ir.shapes import remember_shapes, shape_memo
-from .ir.replicate import trace_step_replicated
-from .ir.trace import TensorShape, TracedStep, trace_step
-from .layout.optim import GroupedOptimizer
-from .ir.training import Training, split_by_group
 from .schedule.verify import verify, verify_structure
-from .ir.tags import verify_tags
 
 
 @attrs.frozen
@@ -102,49 +98,29 @@ def _collector_off():
 
 
 @collection_paused
-def compile_step(model: torch.nn.Module, loss_fn: Callable, params: tuple[ParamInfo, ...], mesh: MeshShape,
-                 optimizer, example_batch, *, reshard_after_forward: bool = True, prefetch: int = 1,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 training: Training | None = None, bucket_bytes: int = 0,
-                 recompute: Mapping[str, Recompute] | None = None, passes=DEFAULT_PASSES,
-                 check_each_pass: bool = False,
-                 dump_dir=None, traced: TracedStep | None = None,
-                 buffers: Mapping[str, TensorShape] | None = None,
-                 tied: Mapping[str, str] | None = None,
-                 backend: StepBackend = StepBackend.EAGER,
-                 keep_reduction_buffers: bool = True) -> CompiledStep:
-    """Trace and compile one training step of ``model`` for the placements ``params`` on ``mesh``.
+def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, optimizer, example_batch, *,
+                 passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None,
+                 traced: TracedStep | None = None, buffers: Mapping[str, TensorShape] | None = None,
+                 tied: Mapping[str, str] | None = None) -> CompiledStep:
+    """Trace and compile one training step of ``model`` for ``config`` (`compiler.config.StepConfig`).
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
     ``check_each_pass`` the schedule verifier also runs after every pass
     (structural checks only; the final schedule is always verified).
-    ``param_dtype`` / ``reduce_dtype`` turn on mixed precision (`FlatParam`);
-    ``bucket_bytes`` merges small flat parameters into shared collectives (`compiler.layout.bucket`).
-    ``recompute`` maps unit names to a `Recompute` policy (`passes.recompute_activations`).
-    ``backend`` says what will run the graph (`compiler.lower.backend`): the graph is the same, the cost model's
-    prediction is not (fused compute).
-    ``keep_reduction_buffers`` keeps replicated gradients' all-reduce buffers between steps
-    (Note [kept reduction buffers] in `passes.keep_reduction_buffers`).
-    Each parameter's strategy is its ``ParamInfo.strategy``; those left None get
-    ZERO3 with ``reshard_after_forward``, ZERO2 without. ``traced``, the
-    ``traced`` of an earlier `CompiledStep` of the same model, batch and
-    placements, skips tracing: the passes run on a copy of its graph (the
-    memory budget's search compiles one trace under many options this way).
-    ``buffers`` stands in for the module's buffers when it holds no storage,
-    and ``tied`` for its tied parameters (`trace_step`).
+    ``traced``, the ``traced`` of an earlier `CompiledStep` of the same model,
+    batch and placements, skips tracing: the passes run on a copy of its graph
+    (the memory budget's search compiles one trace under many `Scheduling`
+    records this way). ``buffers`` stands in for the module's buffers when it
+    holds no storage, and ``tied`` for its tied parameters (`trace_step`).
     """
-    training = training or Training()
-    flats = step_flats(params, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                       reduce_dtype=reduce_dtype, training=training, bucket_bytes=bucket_bytes)
-    optimizer = GroupedOptimizer.build(optimizer, training.group_overrides)
+    flats = config.flats()
+    optimizer = GroupedOptimizer.build(optimizer, config.training.group_overrides)
     if traced is None:
         trace = trace_step_replicated if _is_fake(model) else trace_step  # Note [replicated trace]: planning
-        traced = trace(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=mesh.size,
-                       training=training, buffers=buffers, tied=tied)
+        traced = trace(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=config.mesh.size,
+                       training=config.training, buffers=buffers, tied=tied)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
-    ctx = CompileContext(flats, mesh, traced.inputs, training=training, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, recompute=dict(recompute or {}), backend=backend,
-                         keep_reduction_buffers=keep_reduction_buffers)
+    ctx = CompileContext(config, flats, traced.inputs)
     check = structural_check if check_each_pass else None
     gm = copy_graph_module(traced.graph_module)
     # Note [incremental shapes], Note [shape memo]: shape propagation re-runs only what changed, once per trace
@@ -173,21 +149,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return graph_module(gm, graph)
-
-
-def step_flats(params: tuple[ParamInfo, ...], mesh: MeshShape, *, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-               training: Training | None = None, bucket_bytes: int = 0) -> tuple[FlatParam, ...]:
-    """The flat parameters `compile_step` compiles for these placements: annotate, split by group, bucket.
-
-    The evaluation graph of a step uses the same ones (`compiler.evaluate`), so
-    it can be planned without tracing the training step.
-    """
-    default_strategy = Strategy.ZERO3 if reshard_after_forward else Strategy.ZERO2
-    flats = build_flat_params(params, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              default_strategy=default_strategy)
-    flats = split_by_group(flats, training or Training())
-    return bucket_flat_params(flats, bucket_bytes)
 
 
 def structural_check(gm: fx.GraphModule, ctx: CompileContext, established: frozenset[GraphProperty]) -> None:

@@ -19,8 +19,8 @@ exactly that on a schedule marked ``options["evaluate"]``.
 
 Example::
 
-    compiled = compile_step(model, loss_fn, params, mesh, optimizer, batch)
-    evaluation = compile_eval(model, loss_fn, compiled.flats, compiled.context.mesh, batch)
+    compiled = compile_step(model, loss_fn, config, optimizer, batch)
+    evaluation = compile_eval(model, loss_fn, compiled.flats, compiled.context.config, batch)
     print(evaluation.schedule)        # gathers, waits, frees and forward compute only
 """
 
@@ -37,7 +37,7 @@ from .passes.gather_parameters import gather_parameters
 from .passes.prefetch_gathers import prefetch_gathers
 from .passes.reshard_after_forward import reshard_after_forward
 from .passes.pipeline import run_passes
-from .layout.placement import MeshShape
+from .config import StepConfig
 from .schedule.schedule import read_schedule
 from .ir.shapes import propagate_shapes, remember_shapes
 from .ir.trace import trace_forward
@@ -46,18 +46,18 @@ from .schedule.verify import verify
 EVAL_PASSES = (gather_parameters, reshard_after_forward, prefetch_gathers, propagate_shapes)
 
 
-def compile_eval(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, ...], mesh: MeshShape,
-                 example_batch, *, prefetch: int = 1, check_each_pass: bool = False,
-                 dump_dir=None) -> CompiledStep:
-    """The evaluation graph of ``fn(model, batch)`` over ``flats`` on ``mesh`` (Note [evaluation graph]).
+def compile_eval(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, ...], config: StepConfig,
+                 example_batch, *, check_each_pass: bool = False, dump_dir=None) -> CompiledStep:
+    """The evaluation graph of ``fn(model, batch)`` over ``flats``, for the training step's ``config``
+    (Note [evaluation graph]).
 
     ``flats`` are the training step's (`CompiledStep.flats`), so the graph
-    reads the same shards; ``example_batch`` is a per-rank batch, whose shapes
-    are compiled in. The result is a `CompiledStep` whose ``traced.output_spec``
-    rebuilds what ``fn`` returned.
+    reads the same shards, on ``config.mesh``, prefetched as deep; ``example_batch``
+    is a per-rank batch, whose shapes are compiled in. The result is a
+    `CompiledStep` whose ``traced.output_spec`` rebuilds what ``fn`` returned.
     """
     traced = trace_forward(model, fn, flats, example_batch)
-    ctx = CompileContext(flats, mesh, traced.inputs, prefetch=prefetch, evaluate=True)
+    ctx = CompileContext(config, flats, traced.inputs, evaluate=True)
     check = structural_check if check_each_pass else None
     remember_shapes(traced.graph_module)  # Note [incremental shapes]: only the gathers and their readers re-run
     gm = run_passes(traced.graph_module, ctx, EVAL_PASSES, check=check, dump_dir=dump_dir)

@@ -16,10 +16,7 @@ Example::
 
 from .api import compile, plan
 from .step.batch import split_batch
-from .compiler.lower.backend import StepBackend
-from .compiler.layout.optim import SGD, Adam, AdamW
-from .compiler.schedule.schedule import OpKind, Schedule
-from .compiler.schedule.verify import verify
+from .compiler import Adam, AdamW, OpKind, Schedule, SGD, StepBackend, verify
 from .errors import (
     CheckpointError,
     CompileError,

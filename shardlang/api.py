@@ -13,21 +13,18 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .compiler.analysis.budget import fit_budget
-from .compiler.compile import CompiledStep, collection_paused, compile_step, step_flats
-from .compiler.evaluate import compile_eval
+from .compiler import (
+    AdamW, CompiledStep, TensorShape, collection_paused, compile_eval, compile_step, fit_budget, human_bytes,
+    tied_parameters,
+)
 from .step.batch import check_example_batch
 from shardlang.spec.vocabulary import Recompute
-from .compiler.schedule.schedule_format import human_bytes
-from .compiler.layout.optim import AdamW
-from .compiler.ir.trace import TensorShape, tied_parameters
 from .errors import ShardlangRuntimeError, SpecError
 from .step.materialize import Init, has_meta, materialize
 from .step.ownership import check_not_handed_over, release
 from .runtime.dist import Backend, DistContext
 from .spec.spec import Spec
 from .step.step import Step
-from .spec.training import training_of
 from .step.variants import DEFAULT_SHAPE_LIMIT, Recipe
 
 
@@ -130,23 +127,13 @@ def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, ch
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
     resolved = spec.resolve(model, world_size)
-    options = resolved.options
-    if options.memory_budget is not None:  # the budget picks the step's options; its evaluations reuse them
+    if resolved.options.memory_budget is not None:  # the budget picks the step's options; its evaluations reuse them
         trained = _compile(model, loss_fn, spec, optimizer, example_batch, world_size, False, None)
-        flats, prefetch = trained.flats, trained.context.prefetch
+        flats, config = trained.flats, trained.context.config
     else:
-        flats = step_flats(resolved.params, resolved.mesh, **_flat_options(resolved))
-        prefetch = options.prefetch
-    return compile_eval(model, loss_fn, flats, resolved.mesh, example_batch, prefetch=prefetch,
-                        check_each_pass=check_each_pass)
-
-
-def _flat_options(resolved) -> dict:
-    """`step_flats`' options from a resolved spec (`compile_step` takes them too): one flat layout for both."""
-    options = resolved.options
-    return {"reshard_after_forward": options.reshard_after_forward,
-            "param_dtype": _precision(options, "param_dtype"), "reduce_dtype": _precision(options, "reduce_dtype"),
-            "training": training_of(resolved), "bucket_bytes": options.bucket_bytes}
+        config = resolved.config
+        flats = config.flats()
+    return compile_eval(model, loss_fn, flats, config, example_batch, check_each_pass=check_each_pass)
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
@@ -163,23 +150,17 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     _check_loss_fn(loss_fn)
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
-    flat_options = _flat_options(resolved)
 
-    def at(recompute, prefetch: int, traced=None, *, batch=example_batch, buffers=None, tied=None,
-           dump_dir=dump_dir) -> CompiledStep:
-        return compile_step(
-            model, loss_fn, resolved.params, resolved.mesh, optimizer, batch, **flat_options, prefetch=prefetch,
-            recompute=recompute, check_each_pass=check_each_pass, dump_dir=dump_dir, traced=traced,
-            buffers=buffers, tied=tied, backend=resolved.options.backend,
-            keep_reduction_buffers=resolved.options.keep_reduction_buffers,
-        )
+    def at(config, traced=None, *, batch=example_batch, buffers=None, tied=None, dump_dir=dump_dir) -> CompiledStep:
+        return compile_step(model, loss_fn, config, optimizer, batch, check_each_pass=check_each_pass,
+                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied)
 
     recipe = Recipe(model, loss_fn, resolved, optimizer, at,
                     {name: TensorShape.of(b) for name, b in model.named_buffers()}, tied_parameters(model),
                     None if dump_dir is None else str(dump_dir))
     budget = resolved.options.memory_budget
     if budget is None:
-        return at(resolved.recompute, resolved.options.prefetch), recipe
+        return at(resolved.config), recipe
     return _fit_budget(budget, resolved, at, example_batch), recipe
 
 
@@ -192,13 +173,14 @@ def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:
     """
     fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
     free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
-    first = at(fixed, resolved.options.prefetch)
+    config = resolved.config
+    first = at(config.scheduled(recompute=fixed))
     cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
 
     def compile_at(recompute, depth):
         key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
         if key not in cache:
-            cache[key] = at(recompute, depth, traced=first.traced)
+            cache[key] = at(config.scheduled(recompute=recompute, prefetch=depth), traced=first.traced)
         return cache[key]
 
     step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
@@ -267,11 +249,6 @@ def _check_loss_fn(loss_fn) -> None:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _precision(options, field: str):
-    policy = options.mixed_precision
-    return None if policy is None else getattr(policy, field)
 
 
 def _current_context() -> DistContext:

@@ -37,7 +37,7 @@ def _compiled(world=2, **kwargs):
     spec = sl.Spec(sl.Mesh(fsdp=-1), units=["1"])
     resolved = spec.resolve(model, world)
     batch = (torch.randn(4, 8), torch.randn(4, 1))
-    return compile_step(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), resolved.params, resolved.mesh,
+    return compile_step(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), resolved.config,
                         sl.AdamW(lr=1e-3), batch, **kwargs)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import shardlang as sl
 from shardlang.compiler.compile import compile_step
+from shardlang.compiler.config import Scheduling, StepConfig
 from shardlang.compiler.layout.optim import SGD
 from shardlang.compiler.layout.placement import LayoutKind, MeshShape, ParamInfo, Placement
 
@@ -64,8 +65,8 @@ def test_passes_keep_invariants_and_bytes_follow_the_formula(data):
     reshard = data.draw(st.booleans())
     params = data.draw(placements(model, world))
     batch = (torch.randn(2, widths[0], dtype=torch.float64), torch.randn(2, widths[-1], dtype=torch.float64))
-    compiled = compile_step(model, loss_fn, params, MeshShape((("fsdp", world),)), SGD(lr=0.1, momentum=0.9), batch,
-                            reshard_after_forward=reshard, check_each_pass=True)
+    config = StepConfig(params, MeshShape((("fsdp", world),)), scheduling=Scheduling(reshard_after_forward=reshard))
+    compiled = compile_step(model, loss_fn, config, SGD(lr=0.1, momentum=0.9), batch, check_each_pass=True)
     schedule = compiled.schedule
     sharded = [f for f in schedule.flats if f.sharded]
     padded = {f.name: _padded_flat(f.members, params, world) * f.element_size for f in sharded}
@@ -107,7 +108,8 @@ def test_world_of_one_trains_like_torch_optim(data):
     params = data.draw(placements(model, 1))
     reference = copy.deepcopy(model)
     batch = (torch.randn(4, widths[0], dtype=torch.float64), torch.randn(4, widths[-1], dtype=torch.float64))
-    spec_free = compile_step(model, loss_fn, params, MeshShape((("fsdp", 1),)), SGD(lr=0.1, momentum=0.9), batch)
+    spec_free = compile_step(model, loss_fn, StepConfig(params, MeshShape((("fsdp", 1),))), SGD(lr=0.1, momentum=0.9),
+                             batch)
     step = sl.Step(spec_free, model, SGD(lr=0.1, momentum=0.9), sl.runtime.DistContext.single())
     opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     for _ in range(3):

@@ -286,7 +286,7 @@ def test_pass_failure_names_the_user_line_of_the_node_it_failed_on():
     model = Net(nn.Identity())
     resolved = SPEC.resolve(model, 1)
     with pytest.raises(sl.CompileError) as err:
-        compile_step(model, mse, resolved.params, resolved.mesh, sl.SGD(lr=0.1), BATCH,
+        compile_step(model, mse, resolved.config, sl.SGD(lr=0.1), BATCH,
                      passes=(*DEFAULT_PASSES[:1], picky))
     message = str(err.value)
     assert message.startswith(f"pass picky failed after ['{DEFAULT_PASSES[0].__name__}'], on the op made at ")

@@ -6,35 +6,62 @@ from collections.abc import Mapping
 
 import attrs
 
-from ..lower.backend import StepBackend
-from ..layout.flat import FlatParam
-from ..layout.placement import MeshShape
 from shardlang.spec.vocabulary import Recompute
+
+from ..config import StepConfig
 from ..ir.trace import GraphInput
 from ..ir.training import Training
+from ..layout.flat import FlatParam
+from ..layout.placement import MeshShape
+from ..lower.backend import StepBackend
 
 
 @attrs.frozen
 class CompileContext:
-    """The flat parameters, the abstract mesh, the graph's input signature and the options.
+    """One compilation's `StepConfig`, its flat parameters and the traced graph's input signature.
 
-    ``training`` holds the training features (clipping, parameter groups,
-    accumulation, random numbers; `compiler.ir.training`). ``recompute`` maps a
-    unit's name to its `Recompute` policy (units left out keep everything).
+    ``evaluate`` marks a forward-only evaluation graph (`compiler.evaluate`).
+    The properties read the configuration's records, so a pass writes
+    ``ctx.mesh``, ``ctx.prefetch`` or ``ctx.training``.
 
-    Example: ``CompileContext(flats, MeshShape((("fsdp", 4),)), traced.inputs)``.
+    Example: ``CompileContext(config, config.flats(), traced.inputs)``.
     """
 
+    config: StepConfig
     flats: tuple[FlatParam, ...]
-    mesh: MeshShape
     inputs: tuple[GraphInput, ...]
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    training: Training = Training()
-    recompute: Mapping[str, Recompute] = attrs.field(factory=dict)
-    backend: StepBackend = StepBackend.EAGER  # what runs the bound graph; the cost model reads it (fusion)
-    evaluate: bool = False  # a forward-only evaluation graph (`compiler.evaluate`)
-    keep_reduction_buffers: bool = True  # Note [kept reduction buffers] (`passes.keep_reduction_buffers`)
+    evaluate: bool = False
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self.config.mesh
+
+    @property
+    def training(self) -> Training:
+        return self.config.training
+
+    @property
+    def backend(self) -> StepBackend:
+        """What runs the bound graph; the cost model reads it (fusion)."""
+        return self.config.backend
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.config.scheduling.reshard_after_forward
+
+    @property
+    def prefetch(self) -> int:
+        return self.config.scheduling.prefetch
+
+    @property
+    def recompute(self) -> Mapping[str, Recompute]:
+        """Unit name -> its `Recompute` policy (units left out keep everything)."""
+        return self.config.scheduling.recompute
+
+    @property
+    def keep_reduction_buffers(self) -> bool:
+        """Note [kept reduction buffers] (`passes.keep_reduction_buffers`)."""
+        return self.config.scheduling.keep_reduction_buffers
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

@@ -33,8 +33,7 @@ import math
 import attrs
 import torch
 
-from ..compiler.layout.flat import FlatParam, Member, member_span
-from ..compiler.layout.placement import LayoutKind
+from ..compiler import FlatParam, LayoutKind, Member, member_span
 
 
 @attrs.frozen

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..compiler.layout.optim import hyper_name
+from ..compiler import hyper_name
 from ..errors import CheckpointError
 from . import store
 from .planner import EntryLoadPlanner, EntrySavePlanner

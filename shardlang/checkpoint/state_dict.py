@@ -29,9 +29,7 @@ import json
 import attrs
 import torch
 
-from ..compiler.layout.flat import FlatParam
-from ..compiler.layout.optim import SGD, Adam, AdamW, hyper_name
-from ..compiler.ir.trace import tied_parameters
+from ..compiler import Adam, AdamW, FlatParam, SGD, hyper_name, tied_parameters
 from ..errors import CheckpointError
 from .layout import Entry, optimizer_pieces, parameter_pieces
 

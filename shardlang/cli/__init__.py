@@ -42,7 +42,7 @@ import os
 import sys
 import traceback
 
-from ..compiler.ir.torch_logs import VERBOSE_ENV, drop_no_action_warnings, verbose
+from ..compiler import VERBOSE_ENV, drop_no_action_warnings, verbose
 from ..errors import NonFiniteError, ShardlangError
 from ..runtime.launcher import FailureKind, PoolState, RankFailure, WorkerError
 from . import check, diff, export, plan, run

@@ -20,7 +20,7 @@ import os
 
 import attrs
 
-from ..compiler.analysis import cost
+from ..compiler import COMPUTE_PRESETS, CostModel, LINK_PRESETS
 
 
 def positive(what: str):
@@ -128,9 +128,9 @@ def world_sizes(text: str) -> tuple[int, ...]:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The cost model's knobs (docs/plan.md, "The knobs")."""
     group = parser.add_argument_group("cost model")
-    group.add_argument("--link", choices=sorted(cost.LINKS), default="gloo-loopback",
+    group.add_argument("--link", choices=sorted(LINK_PRESETS), default="gloo-loopback",
                        help="link preset for the alpha-beta model (default gloo-loopback)")
-    group.add_argument("--compute", choices=sorted(cost.COMPUTE), default="cpu",
+    group.add_argument("--compute", choices=sorted(COMPUTE_PRESETS), default="cpu",
                        help="compute preset for the roofline (default cpu)")
     group.add_argument("--alpha", metavar="SECONDS", type=nonnegative_float("a latency"), default=None,
                        help="latency of one ring step, overriding the link's")
@@ -140,12 +140,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="matmul rate, overriding the compute preset's (e.g. 400e12)")
 
 
-def cost_model(args) -> cost.CostModel:
-    link, device = cost.LINKS[args.link], cost.COMPUTE[args.compute]
+def cost_model(args) -> CostModel:
+    link, device = LINK_PRESETS[args.link], COMPUTE_PRESETS[args.compute]
     if args.alpha is not None:
         link = attrs.evolve(link, alpha_s=args.alpha)
     if args.bandwidth is not None:
         link = attrs.evolve(link, bandwidth=args.bandwidth)
     if args.flops is not None:
         device = attrs.evolve(device, flops_per_s=args.flops)
-    return cost.CostModel(link=link, compute=device)
+    return CostModel(link=link, compute=device)

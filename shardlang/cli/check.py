@@ -23,8 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .. import api
 from .compare import Movement, relative_difference, scaled_difference
-from ..compiler.lower.backend import StepBackend
-from ..compiler.layout.optim import Adam
+from ..compiler import Adam, StepBackend
 from ..errors import SpecError
 from .job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
 from ..runtime.dist import DistContext

@@ -16,7 +16,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from ..compiler.analysis import cost
+from ..compiler import CostModel
 from ..errors import SpecError
 from .args import add_model_arguments, cost_model, positive
 from .common import shown
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 def main(args) -> int:
     """Compare the two plans and print the comparison; the exit code."""
-    from ..compiler.analysis.plan_diff import diff_plans
+    from ..compiler import diff_plans
 
     stdout = sys.stdout
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
@@ -59,7 +59,7 @@ def main(args) -> int:
     return 0
 
 
-def _plan_source(source: str, world: int | None, model: cost.CostModel, flag: str):
+def _plan_source(source: str, world: int | None, model: CostModel, flag: str):
     """A plan to compare: a saved ``plan --json`` file, or a job file planned for ``world`` ranks."""
     import json
 

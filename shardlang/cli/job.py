@@ -42,7 +42,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..compiler.layout.optim import SGD, Adam, AdamW
+from ..compiler import Adam, AdamW, SGD
 from ..errors import ShardlangError, SpecError
 from ..step.materialize import Init, has_meta, materialize_module
 from ..spec.mesh import Mesh

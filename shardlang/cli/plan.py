@@ -27,7 +27,7 @@ import attrs
 from torch.utils import _pytree as pytree
 
 from .. import api
-from ..compiler.analysis import cost
+from ..compiler import CostModel
 from .job import build, global_batch, load_job
 from .args import add_model_arguments, byte_size, cost_model, nonnegative_int, output_file, positive, recompute_rule
 from .common import eval_example, shown, split_for_rank
@@ -84,7 +84,7 @@ def main(args) -> int:
     return 0
 
 
-def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None = None, recompute=None,
+def plan_job(path, world: int, model: CostModel, memory_budget: int | None = None, recompute=None,
              batch_step: int = 0, evaluate: bool = False):
     """Plan a job file for ``world`` ranks with fake tensors, for the batch of ``batch_step``: (job, `Plan`).
 
@@ -94,7 +94,7 @@ def plan_job(path, world: int, model: cost.CostModel, memory_budget: int | None 
     (Note [same collectives for every shape] in `shardlang.step.variants`). With ``evaluate``, the plan
     of the step's evaluation, on ``make_eval_batch(0)``'s shapes when the job defines it.
     """
-    from ..compiler.analysis.plan_report import make_plan
+    from ..compiler import make_plan
 
     job = load_job(path)
     spec = job.spec
@@ -121,7 +121,7 @@ def plan_example_leaves(job, world: int, batch_step: int) -> list:
 
 def _write_pictures(args, plan) -> None:
     if args.chrome_trace:
-        from ..compiler.analysis.timeline import write_chrome_trace
+        from ..compiler import write_chrome_trace
 
         write_chrome_trace(args.chrome_trace, plan.schedule, plan.timeline, plan.memory)
         print(f"wrote the predicted timeline to {args.chrome_trace} (open it in ui.perfetto.dev)", file=sys.stderr)

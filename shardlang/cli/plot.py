@@ -17,8 +17,7 @@ import json
 import os
 import re
 
-from ..compiler.analysis.memory import Category
-from ..compiler.schedule.schedule import OpKind
+from ..compiler import Category, OpKind
 from ..errors import ShardlangError
 
 INSTALL_HINT = "pip install 'shardlang[plot]'"

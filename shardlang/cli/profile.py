@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from ..compiler.analysis.cost import op_name
-from ..compiler.schedule.schedule import Schedule
+from ..compiler import Schedule, op_name
 
 
 def _enter(name: str):

@@ -27,7 +27,7 @@ import datetime
 
 import torch.distributed as dist
 
-from shardlang.compiler.layout.placement import WORLD, MeshShape
+from ..compiler import MeshShape, WORLD
 
 __all__ = ["mesh_groups"]
 

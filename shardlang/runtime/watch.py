@@ -41,9 +41,8 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.fx as fx
 
-from shardlang.compiler.lower.emit import failing_node, is_bound_collective
+from ..compiler import COLLECTIVE_KINDS, OpKind, Schedule, ScheduleOp, failing_node, is_bound_collective
 from shardlang.errors import ShardlangRuntimeError
-from shardlang.compiler.schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule, ScheduleOp
 from shardlang.runtime.dist import DistContext
 
 _KEY = "shardlang/step_begun/{rank}"

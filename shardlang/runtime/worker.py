@@ -32,7 +32,7 @@ import torch
 import tqdm
 
 from shardlang.errors import ShardlangRuntimeError
-from shardlang.compiler.ir.torch_logs import drop_no_action_warnings
+from ..compiler import drop_no_action_warnings
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_with_store, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path
 from shardlang.runtime.rendezvous import LOCALHOST, join_store

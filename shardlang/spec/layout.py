@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from shardlang.errors import SpecError
-from shardlang.compiler.layout.placement import LayoutKind, Placement
+from ..compiler import LayoutKind, Placement
 
 __all__ = ["Layout", "Replicate", "Shard", "layout_from_dict", "replicate", "shard"]
 

@@ -20,7 +20,7 @@ import re
 import attrs
 
 from shardlang.errors import SpecError
-from shardlang.compiler.layout.placement import MeshShape
+from ..compiler import MeshShape
 
 __all__ = ["REST", "Mesh", "check_world_size"]
 

@@ -28,12 +28,11 @@ import attrs
 from torch import nn
 
 from shardlang.errors import SpecError
-from shardlang.compiler.layout.placement import MeshShape, ParamInfo, Placement
+from ..compiler import MeshShape, ParamInfo, Placement, Precision, Scheduling, StepBackend, StepConfig
 from shardlang.spec.vocabulary import Recompute, Strategy
 from shardlang.spec.layout import Layout, Replicate, Shard, shard
 from shardlang.spec.mesh import Mesh, check_world_size
 from shardlang.spec.precision import MixedPrecision
-from shardlang.compiler.lower.backend import StepBackend
 from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang.spec import training
 from shardlang.spec.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
@@ -451,6 +450,22 @@ class ResolvedSpec:
     param_groups: tuple[training.ParamGroup, ...] = ()
     group_of: dict[str, int] = attrs.field(factory=dict)  # trainable parameter -> its group (1-based), if any
     recompute: dict[str, Recompute] = attrs.field(factory=dict)  # unit -> its recompute policy
+
+    @property
+    def config(self) -> StepConfig:
+        """What the compiler is asked to make (`compiler.config.StepConfig`): placements, mesh, options by concern.
+
+        Example: ``compile_step(model, loss_fn, resolved.config, sl.AdamW(lr=1e-3), batch)``.
+        """
+        o = self.options
+        mp = o.mixed_precision
+        return StepConfig(
+            self.params, self.mesh,
+            precision=Precision(mp.param_dtype, mp.reduce_dtype) if mp is not None else Precision(),
+            scheduling=Scheduling(reshard_after_forward=o.reshard_after_forward, prefetch=o.prefetch,
+                                  bucket_bytes=o.bucket_bytes, recompute=self.recompute,
+                                  keep_reduction_buffers=o.keep_reduction_buffers),
+            training=training.training_of(self), backend=o.backend)
 
     @property
     def units(self) -> tuple[str, ...]:

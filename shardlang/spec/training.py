@@ -29,8 +29,7 @@ from fnmatch import fnmatchcase
 
 import attrs
 
-from ..compiler.layout.optim import GROUP_KEYS
-from ..compiler.ir.training import Training
+from ..compiler import GROUP_KEYS, Training
 from shardlang.spec.vocabulary import Accumulation, RandomScheme
 from ..errors import SpecError
 

@@ -31,9 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .batch import batch_leaves
-from ..compiler.compile import CompiledStep
-from ..compiler.evaluate import compile_eval
-from ..compiler.schedule.schedule import Schedule
+from ..compiler import CompiledStep, Schedule, compile_eval
 from ..errors import ShardlangRuntimeError
 from ..runtime.dist import DistContext
 from .state import TrainState
@@ -136,7 +134,7 @@ class Evaluations:
         evaluation = self._bound.get(key)
         if evaluation is None:
             context = self.training.context
-            compiled = compile_eval(self.module, fn, context.flats, context.mesh, batch, prefetch=context.prefetch)
+            compiled = compile_eval(self.module, fn, context.flats, context.config, batch)
             evaluation = self._bound[key] = Evaluation(compiled, state, ctx, bind)
         return evaluation
 

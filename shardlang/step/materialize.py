@@ -53,8 +53,7 @@ import attrs
 import torch
 from torch import nn
 
-from ..compiler.compile import CompiledStep
-from ..compiler.layout.flat import FlatParam, member_piece, slice_spans
+from ..compiler import CompiledStep, FlatParam, member_piece, slice_spans
 from ..errors import SpecError
 from .state import TrainState, optimizer_slice, shard_coordinate
 from ..spec.units import ROOT_UNIT, unit_label, unit_of

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler.ir.rng import has_random_ops
-from ..compiler.ir.training import per_rank_seed
+from ..compiler import has_random_ops, per_rank_seed
 from shardlang.spec.vocabulary import RandomScheme
 
 

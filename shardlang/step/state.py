@@ -25,9 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..compiler.compile import CompiledStep
-from ..compiler.layout.flat import FlatParam, shard_of
-from ..compiler.layout.optim import hyper_tensors, init_state
+from ..compiler import CompiledStep, FlatParam, hyper_tensors, init_state, shard_of
 
 
 def shard_coordinate(compiled: CompiledStep, rank: int) -> Callable[[FlatParam], int]:

@@ -16,14 +16,10 @@ import torch
 import torch.distributed as dist
 
 from .batch import batch_leaves
-from ..compiler.ir import collectives
-from ..compiler.lower.backend import StepBackend, compile_graph
-from ..compiler.compile import CompiledStep
-from ..compiler.lower.emit import WORLD_AXIS, bind, group_keys
-from ..compiler.layout.flat import unpack_member
-from ..compiler.ir.tags import node_tag
-from ..compiler.layout.optim import hyper_name
-from ..compiler.schedule.schedule import Schedule
+from ..compiler import (
+    CompiledStep, Schedule, StepBackend, WORLD_AXIS, bind, compile_graph, group_keys, hyper_name, local_shard,
+    norm_flat_order, unpack_member,
+)
 from ..errors import ShardlangRuntimeError, SpecError
 from .evaluate import Evaluation, Evaluations, structure_of
 from .lr import LRSchedule
@@ -269,8 +265,7 @@ class Step:
         """``, first in unit 'u' (backward order; k of n units)`` from the per-flat squared norms."""
         if self._flat_sq_norms is None:
             return ""
-        names = next((t.flats for n in self.compiled.graph_module.graph.nodes
-                      if (t := node_tag(n)) is not None and t.norm), ())  # the vector's order (`compiler/passes/_norm.py`)
+        names = norm_flat_order(self.compiled.graph_module.graph)
         bad = [n for n, v in zip(names, self._flat_sq_norms.tolist()) if not math.isfinite(v)]
         units = list(dict.fromkeys(f.unit for f in self.compiled.flats if f.trainable))
         bad_units = list(dict.fromkeys(self.compiled.context.flat(n).unit for n in bad))
@@ -393,7 +388,7 @@ class Step:
         """
         inputs = [*self.state.graph_inputs(), *_example_leaves(compiled, ctx.device)]
         backend = compiled.context.backend
-        per_rank = any(n.target is collectives.local_shard for n in compiled.graph_module.graph.nodes)
+        per_rank = any(n.target is local_shard for n in compiled.graph_module.graph.nodes)
         if backend is StepBackend.EAGER or not ctx.has_process_group or ctx.world_size == 1 or per_rank:
             return compile_graph(self._graph, backend, inputs)
         first = ctx.local_rank == 0

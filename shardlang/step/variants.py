@@ -38,8 +38,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..compiler.compile import CompiledStep
-from ..compiler.ir.trace import TensorShape
+from ..compiler import CompiledStep, TensorShape
 from ..errors import ShardlangRuntimeError
 
 #: Distinct batch shapes a step compiles before `ShapeWarning` (torch.compile's cache_size_limit is also 8).
@@ -82,7 +81,7 @@ class BatchSignature:
 class Recipe:
     """Everything a compilation read, kept to compile another batch shape identically.
 
-    ``compile_at(recompute, prefetch, batch=...)`` runs `compiler.compile.compile_step`
+    ``compile_at(config, batch=...)`` runs `compiler.compile.compile_step`
     with the same module (which may hold no storage by then: tracing is fake,
     the buffers' shapes stand in for the buffers, and the tied parameters are
     the ones recorded at the first compilation, since moving a module to the
@@ -102,10 +101,11 @@ class Recipe:
     dump_dir: str | None = None
 
     def compile(self, example_batch, first, variant: int) -> CompiledStep:
-        """``example_batch``'s step, with ``first``'s (a `CompileContext`) recompute policies and prefetch depth."""
+        """``example_batch``'s step, with ``first``'s (a `CompileContext`) configuration: its recompute policies
+        and prefetch depth included."""
         dump = str(Path(self.dump_dir) / f"variant{variant}") if self.dump_dir else None
-        return self.compile_at(first.recompute, first.prefetch, batch=example_batch, buffers=self.buffers,
-                               tied=self.tied, dump_dir=dump)
+        return self.compile_at(first.config, batch=example_batch, buffers=self.buffers, tied=self.tied,
+                               dump_dir=dump)
 
 
 class Variants:

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiler.layout.flat import Member
-from ..compiler.layout.placement import LayoutKind
+from ..compiler import LayoutKind, Member
 from ..errors import SpecError
 
 INDEX_NAME = "model.safetensors.index.json"
