@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .config import StepConfig
+from .lower.backend import StepBackend
 from .ir.lazy_code import graph_module
 from .ir.replicate import trace_step_replicated
 from .ir.shapes import remember_shapes, shape_memo

@@ -51,10 +51,9 @@ keeps between steps (Note [kept reduction buffers] in
 counts them as `Category.REDUCTION_BUFFERS`, live from the step's start (the
 previous step left them) to its end, and in ``persistent``. Their pack
 allocates nothing, and neither does what the bound graph does to them in
-place (Note [reductions in place] in `compiler.lower.emit`): the all-reduce, its
-wait, and the average when it alone reads the wait; the plan follows those
-values to the kept storage as `emit.made_in_place` says bind makes them
-(`_Simulator._kept_aliases`), where the compiled graph has new ones.
+place (Note [reductions in place] in `passes.reduce_in_place`): the all-reduce,
+its wait, and the average when it alone reads the wait share the kept storage
+in the compiled graph itself, as in the bound one.
 
 Example::
 
@@ -75,10 +74,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from ..ir import collectives
-from ..lower.emit import made_in_place
-from ..ir.tags import NodeKind, kind_of, node_tag
+from ..ir.tags import NodeKind, is_kept, kind_of, node_tag
 from ..layout.member_updates import member_gradients_of, update_members_
-from ..passes.keep_reduction_buffers import is_kept
 from ..schedule.schedule import Schedule
 from ..schedule.schedule_format import human_bytes
 from ..ir.trace import GraphInput, InputRole, Phase, phase_of, tag_of
@@ -326,7 +323,6 @@ class _Simulator:
                 continue  # the caller holds the inputs for the whole step
             last = max((pos[u] for u in node.users), default=pos[node])
             dies_at.setdefault(last, []).append(node)
-        aliases = self._kept_aliases()
         category = self._categories()
         size: dict[StorageWeakRef, int] = {}
         refs: dict[StorageWeakRef, int] = {}
@@ -351,7 +347,6 @@ class _Simulator:
             allocated = 0
             keys = []
             for key, nbytes in _storages(node.meta.get("val")):
-                key = aliases.get(key, key)
                 if key in keys:
                     continue
                 keys.append(key)
@@ -424,25 +419,6 @@ class _Simulator:
             late[following] = late.get(following, 0) + lingering
         live[Category.COLLECTIVE_SCRATCH.value] -= released
         return released
-
-    def _kept_aliases(self) -> dict[StorageWeakRef, StorageWeakRef]:
-        """The storages that the bound graph makes in place in a kept buffer, mapped to it (Note [kept buffers in the plan]).
-
-        `emit.made_in_place` says which values `bind` makes in another's storage; those
-        that lead back to a kept pack (its all-reduce, the wait, the average) are that pack's storage.
-        """
-        made = made_in_place(self.graph)
-        aliases: dict[StorageWeakRef, StorageWeakRef] = {}
-        for node in self.nodes:
-            root = node
-            while root in made:
-                root = made[root]
-            if root is node or not is_kept(root):
-                continue
-            ((kept, _),) = _storages(root.meta.get("val"))
-            for key, _ in _storages(node.meta.get("val")):
-                aliases.setdefault(key, kept)
-        return aliases
 
     def _categories(self) -> dict[StorageWeakRef, Category]:
         """Each storage's category, from the node that first holds it (and the gradients' consumers)."""

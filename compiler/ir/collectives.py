@@ -53,6 +53,15 @@ def all_reduce(buffer: torch.Tensor, axis: str, group_size: int) -> torch.Tensor
     return buffer if group_size == 1 else torch.empty_like(buffer)
 
 
+def all_reduce_(buffer: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """Sum ``buffer`` over ranks in place; returns ``buffer``. Issue only; see `wait`.
+
+    `passes.reduce_in_place` uses it for a buffer made for this reduction alone (Note [reductions in place]).
+    """
+    _abstract_only("all_reduce_", buffer, group_size)
+    return buffer
+
+
 def all_gather_into(shard: torch.Tensor, out: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
     """Gather every rank's ``(S,)`` shard into ``out`` (``(N * S,)``) in place; returns ``out``. Issue only.
 
@@ -88,7 +97,7 @@ def free(*tensors: torch.Tensor) -> None:
     """
 
 
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_gather_into)
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_reduce_, all_gather_into)
 EFFECTS = COLLECTIVES + (wait, free)
 
 
@@ -99,7 +108,7 @@ def group_of(node: torch.fx.Node) -> tuple[str, int] | None:
     """
     if node.op != "call_function":
         return None
-    if node.target in (all_gather, reduce_scatter, all_reduce, local_shard):
+    if node.target in (all_gather, reduce_scatter, all_reduce, all_reduce_, local_shard):
         return node.args[1], node.args[2]
     if node.target is all_gather_into:
         return node.args[2], node.args[3]

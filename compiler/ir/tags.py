@@ -118,6 +118,12 @@ def kind_of(node: fx.Node) -> NodeKind | None:
     return t.kind if t is not None else None
 
 
+def is_kept(node: fx.Node) -> bool:
+    """Whether ``node`` is a pack whose buffer the bound step keeps between steps (Note [kept reduction buffers])."""
+    t = node.meta.get("sl")
+    return t is not None and t.kept
+
+
 def is_inserted(node: fx.Node) -> bool:
     """Whether a pass inserted ``node`` (it carries a `NodeTag`)."""
     return "sl" in node.meta

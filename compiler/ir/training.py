@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 
 import attrs

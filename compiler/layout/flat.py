@@ -354,7 +354,7 @@ def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.
 
 def is_new_flat_buffer(node) -> bool:
     """Whether fx ``node`` is a `flatten_gradients` that makes a buffer of its own (several gradients, or a cast)
-    read by one node alone; one gradient flattened is a view of it (Note [reductions in place] in `compiler.lower.emit`)."""
+    read by one node alone; one gradient flattened is a view of it (Note [reductions in place] in `compiler.passes.reduce_in_place`)."""
     if node.op != "call_function" or node.target is not flatten_gradients or len(node.users) != 1:
         return False
     dtype, *grads = node.args

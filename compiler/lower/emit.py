@@ -33,9 +33,8 @@ import torch.fx as fx
 
 from ..ir import collectives
 from shardlang.errors import CompileError
-from ..layout.flat import KeptReductionBuffer, flatten_gradients, is_new_flat_buffer
-from ..ir.tags import NodeKind, kind_of
-from ..passes.keep_reduction_buffers import is_kept
+from ..layout.flat import KeptReductionBuffer, flatten_gradients
+from ..ir.tags import is_kept
 from ..layout.placement import WORLD
 
 _c10d = torch.ops._c10d_functional
@@ -67,7 +66,6 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
         _check_unbound_is_local(gm)
         return gm
     bound = copy.deepcopy(gm)
-    in_place = made_in_place(bound.graph)  # Note [reductions in place], decided on the unbound graph
     local: set[fx.Node] = set()  # collectives over one rank, left as identities
     exchanged: dict[fx.Node, tuple[int, object]] = {}  # reduce-scatters lowered to all-to-all: (N, result value)
     for node in list(bound.graph.nodes):
@@ -93,10 +91,10 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
         elif node.target is collectives.reduce_scatter:
             buffer, axis, size = node.args
             node.target, node.args = _c10d.reduce_scatter_tensor.default, (buffer, "sum", size, _group(group_names, axis))
-        elif node.target is collectives.all_reduce:
+        elif node.target in (collectives.all_reduce, collectives.all_reduce_):
             buffer, axis, _size = node.args
-            # Note [reductions in place]: a buffer the pack made for this all-reduce alone is reduced in place.
-            op = _c10d.all_reduce_.default if node in in_place else _c10d.all_reduce.default
+            # Note [reductions in place] (`passes.reduce_in_place`) chose which ones reduce their buffer in place.
+            op = _c10d.all_reduce_.default if node.target is collectives.all_reduce_ else _c10d.all_reduce.default
             node.target, node.args = op, (buffer, "sum", _group(group_names, axis))
         elif node.target is collectives.local_shard:
             full, axis, size = node.args
@@ -107,64 +105,10 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             node.target = _c10d.wait_tensor.default
             if node.args[0] in exchanged:
                 _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
-    for node in in_place:
-        if node.target is torch.ops.aten.div.Tensor:
-            node.target = torch.ops.aten.div_.Tensor
     _keep_reduction_buffers(bound.graph)
     bound.graph.lint()
     bound.recompile()
     return bound
-
-
-def made_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """The nodes of an unbound graph whose values `bind` makes in another node's storage, each mapped to that node.
-
-    Note [reductions in place]: ``_c10d_functional.all_reduce`` clones its input
-    and reduces the clone, one more pass over the whole gradient and a buffer as
-    large. A buffer that `flatten_gradients` concatenated (or cast) for this
-    reduction is read by nothing else, so it is reduced in place
-    (``all_reduce_``): the all-reduce maps to the pack. A single gradient
-    flattened is a view of that gradient, not a new buffer: it keeps the clone.
-    Likewise an average divides the result of its reduction in place
-    (``div_``) when nothing else reads that result: it maps to the reduction's
-    wait, which returns the issued collective's result (or, on gloo, to the
-    local sum that replaces the wait, Note [reduce-scatter as all-to-all]). A
-    wait maps to its issue. The values are the same to the bit. `bind` takes
-    its in-place targets from this map, and the memory plan follows it for the
-    buffers kept between steps (Note [kept buffers in the plan] in
-    `compiler.analysis.memory`). For every other buffer the plan, made on the compiled
-    graph, still counts the clone and the quotient, so it stays an upper bound.
-
-    Example: for ``pack -> all_reduce -> wait -> average`` over two ranks,
-    ``{all_reduce: pack, wait: all_reduce, average: wait}``.
-    """
-    made: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        if node.target is collectives.all_reduce and _over_ranks(node) and is_new_flat_buffer(node.args[0]):
-            made[node] = node.args[0]
-        elif node.target is collectives.wait and _over_ranks(node.args[0]):
-            made[node] = node.args[0]
-        elif _divides_its_reduction(node):
-            made[node] = node.args[0]
-    return made
-
-
-def _divides_its_reduction(node: fx.Node) -> bool:
-    """Whether ``node`` is an average that alone reads the wait of a reduction over more than one rank."""
-    if node.target is not torch.ops.aten.div.Tensor or kind_of(node) is not NodeKind.AVERAGE:
-        return False
-    wait = node.args[0]
-    if not isinstance(wait, fx.Node) or wait.target is not collectives.wait or len(wait.users) != 1:
-        return False
-    issue = wait.args[0]
-    return (issue.target in (collectives.all_reduce, collectives.reduce_scatter) and _over_ranks(issue)
-            and len(issue.users) == 1)
-
-
-def _over_ranks(node) -> bool:
-    """Whether ``node`` is a collective over more than one rank (one over a single rank stays an identity)."""
-    group = collectives.group_of(node) if isinstance(node, fx.Node) else None
-    return group is not None and group[1] > 1
 
 
 def _keep_reduction_buffers(graph: fx.Graph) -> None:

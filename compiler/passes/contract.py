@@ -45,6 +45,7 @@ class GraphProperty(enum.Enum):
     GRADIENT_SUMS_IN_PLACE = "gradient sums write into a buffer nothing reads afterwards"
     LOCAL_REDUCTIONS_ELIDED = "reductions over one rank are gone; the updates read member gradients"
     REDUCTION_BUFFERS_KEPT = "the packs the bound step keeps between steps are marked"
+    REDUCTIONS_IN_PLACE = "buffers made for their reduction alone are reduced in place, and averaged in place"
     SHAPES_PROPAGATED = "every node's meta['val'] holds its final shape"
 
 

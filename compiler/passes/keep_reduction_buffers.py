@@ -3,7 +3,7 @@
 Note [kept reduction buffers]: a replicated flat parameter's gradient (the DDP
 strategy, and ``replicate()`` parameters in any spec) is concatenated by
 `flat.flatten_gradients` into one full-size buffer that an all-reduce sums in
-place (Note [reductions in place] in `compiler.lower.emit`), that the average
+place (Note [reductions in place] in `compiler.passes.reduce_in_place`), that the average
 divides in place, and that the update reads, all within the step. Made anew
 every step, that buffer is an allocation above glibc's mmap threshold: fresh
 pages every step, faulted in by the cat and unmapped at the end (measured at
@@ -43,7 +43,7 @@ from ..ir import collectives
 from ..lower.backend import StepBackend
 from .context import CompileContext
 from ..layout.flat import is_new_flat_buffer
-from ..ir.tags import node_tag, retag
+from ..ir.tags import retag
 from shardlang.spec.vocabulary import Accumulation
 from .contract import GraphProperty, graph_pass
 
@@ -72,9 +72,3 @@ def is_keepable(node: fx.Node) -> bool:
     (user,) = node.users
     group = collectives.group_of(user)
     return user.target is collectives.all_reduce and user.args[0] is node and group is not None and group[1] > 1
-
-
-def is_kept(node: fx.Node) -> bool:
-    """Whether the pass marked ``node``'s buffer as kept between steps (Note [kept reduction buffers])."""
-    t = node_tag(node)
-    return t is not None and t.kept

@@ -40,6 +40,7 @@ from .limit_reductions_in_flight import limit_reductions_in_flight
 from .prefetch_gathers import prefetch_gathers
 from .recompute_activations import recompute_activations
 from .reduce_gradients import reduce_gradients
+from .reduce_in_place import reduce_in_place
 from .reshard_after_forward import reshard_after_forward
 from .shard_optimizer import shard_optimizer
 from .skip_nonfinite_updates import skip_nonfinite_updates
@@ -63,6 +64,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     add_gradients_in_place,
     elide_local_reductions,
     keep_reduction_buffers,
+    reduce_in_place,
 )
 
 
