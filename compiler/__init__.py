@@ -22,7 +22,8 @@ from .analysis.memory import Category
 from .analysis.plan_diff import diff_plans
 from .analysis.plan_report import make_plan
 from .analysis.timeline import write_chrome_trace
-from .compile import CompiledStep, collection_paused, compile_step
+from .collection import collection_paused
+from .compile import CompiledStep, compile_step
 from .config import Precision, Scheduling, StepConfig
 from .evaluate import compile_eval
 from .ir.collectives import local_shard
@@ -33,7 +34,8 @@ from .ir.training import Training, per_rank_seed
 from .layout.flat import FlatParam, Member, member_piece, member_span, shard_of, slice_spans, unpack_member
 from .layout.optim import GROUP_KEYS, SGD, Adam, AdamW, hyper_name, hyper_tensors, init_state
 from .layout.placement import WORLD, LayoutKind, MeshShape, ParamInfo, Placement
-from .lower.backend import StepBackend, compile_graph
+from .lower.backend import compile_graph
+from shardlang.spec.vocabulary import StepBackend
 from .lower.emit import WORLD_AXIS, bind, failing_node, group_keys, is_bound_collective
 from .passes._norm import norm_flat_order
 from .schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule, ScheduleOp

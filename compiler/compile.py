@@ -9,9 +9,7 @@ Binding to process groups (`compiler.lower.emit`) is left to the caller, so the 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -19,8 +17,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .collection import collection_paused
 from .config import StepConfig
-from .lower.backend import StepBackend
+from shardlang.spec.vocabulary import StepBackend
 from .ir.lazy_code import graph_module
 from .ir.replicate import trace_step_replicated
 from .ir.shapes import remember_shapes, shape_memo
@@ -28,7 +27,7 @@ from .ir.tags import verify_tags
 from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.flat import FlatParam
 from .layout.optim import GroupedOptimizer
-from .passes.context import CompileContext
+from .context import CompileContext
 from .passes.contract import GraphProperty
 from .passes.pipeline import DEFAULT_PASSES, run_passes
 from .schedule.schedule import Schedule, read_schedule
@@ -65,37 +64,6 @@ class CompiledStep:
         from .analysis.cost import CostModel
 
         return CostModel(fused=self.context.backend is StepBackend.INDUCTOR).predict(self.schedule, self.graph_module)
-
-
-def collection_paused(fn: Callable) -> Callable:
-    """``fn`` run with Python's cyclic garbage collector off (Note [no collection while compiling]).
-
-    Note [no collection while compiling]: a compile makes, and keeps, hundreds
-    of thousands of objects (fx nodes, their meta, fake tensors). The cyclic
-    collector's full collection walks every one of them, and a heap that grows
-    by a quarter starts another, so on the 80-layer 70B plan the collector took
-    12 of the memory budget search's 64 s. While a step compiles the collector
-    is off; what the compile dropped (the budget's discarded configurations) is
-    collected once it is back on. Nested calls leave it to the outermost.
-    """
-
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        with _collector_off():
-            return fn(*args, **kwargs)
-
-    return paused
-
-
-@contextlib.contextmanager
-def _collector_off():
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @collection_paused

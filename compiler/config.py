@@ -36,7 +36,7 @@ from .ir.training import Training, split_by_group
 from .layout.bucket import bucket_flat_params
 from .layout.flat import FlatParam, build_flat_params
 from .layout.placement import MeshShape, ParamInfo
-from .lower.backend import StepBackend
+from shardlang.spec.vocabulary import StepBackend
 
 
 @attrs.frozen

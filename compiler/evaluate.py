@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from .compile import CompiledStep, structural_check
-from .passes.context import CompileContext
+from .context import CompileContext
 from .layout.flat import FlatParam
 from .passes.gather_parameters import gather_parameters
 from .passes.prefetch_gathers import prefetch_gathers

@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import shardlang as sl
 from shardlang import api
 from shardlang.step.batch import split_batch
-from shardlang.compiler.lower.backend import StepBackend
+from shardlang.spec.vocabulary import StepBackend
 from shardlang.compiler.compile import compile_step
 from shardlang.compiler.passes import add_gradients_in_place as module
 from shardlang.compiler.passes.add_gradients_in_place import add_gradients_in_place

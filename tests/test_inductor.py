@@ -16,7 +16,7 @@ import torch
 import inductor_workers
 import parity
 import shardlang as sl
-from shardlang.compiler.lower.backend import StepBackend
+from shardlang.spec.vocabulary import StepBackend
 from shardlang.compiler.analysis.cost import CostModel, plan_fusion
 from shardlang.errors import SpecError
 

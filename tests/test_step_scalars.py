@@ -84,7 +84,8 @@ def test_the_inductor_backend_compiles_the_graph_without_its_step_scalars():
     """compile_graph hands inductor the split graph; its runner adds the prologue's values (inductor mocked out)."""
     from unittest import mock
 
-    from shardlang.compiler.lower.backend import StepBackend, compile_graph
+    from shardlang.compiler.lower.backend import compile_graph
+    from shardlang.spec.vocabulary import StepBackend
 
     (case, eager), (_, other) = _step("adamw"), _step("adamw")
     handed = []

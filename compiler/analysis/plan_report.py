@@ -29,7 +29,7 @@ import json
 import attrs
 import torch.fx as fx
 
-from ..compile import collection_paused
+from ..collection import collection_paused
 from .cost import CostModel, Timeline
 from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
 from ..schedule.schedule import OpKind, Schedule

@@ -45,6 +45,8 @@ the memo.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -52,9 +54,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from ..passes.context import CompileContext
 from .graph_utils import storage_key, tensor_layout, tensor_leaves
 from .trace import InputRole
+
+if TYPE_CHECKING:  # the passes' context; shapes are read by passes, not the other way
+    from ..context import CompileContext
 
 _REMEMBERED = "sl_traced_args"  # GraphModule.meta key: node -> (args, kwargs, target, fresh) as traced
 _MEMO = "sl_shape_memo"  # GraphModule.meta key: the `ShapeMemo` of a trace and its compiles

@@ -57,7 +57,6 @@ it only saves the functionalisation trace, seconds. They live under
 from __future__ import annotations
 
 import copy
-import enum
 import time
 from collections.abc import Callable, Sequence
 
@@ -66,6 +65,7 @@ import torch
 import torch.fx as fx
 
 from shardlang.errors import CompileError
+from shardlang.spec.vocabulary import StepBackend
 from .step_scalars import StepScalars, split_step_scalars
 
 
@@ -80,13 +80,6 @@ _KEEP_THE_SCHEDULE = {
     # reduce-scatter's wait moved to the end of the backward.
     "reorder_for_locality": False,
 }
-
-
-class StepBackend(enum.Enum):
-    """What runs the bound step graph. Example: ``StepBackend("inductor")``."""
-
-    EAGER = "eager"
-    INDUCTOR = "inductor"
 
 
 @attrs.frozen

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .context import CompileContext
-from ..lower.emit import WORLD_AXIS as WORLD
+from ..context import CompileContext
+from ..layout.placement import WORLD
 from ..ir.tags import NodeKind, node_tag, tag
 from ..ir.trace import Phase
 from ..ir import collectives

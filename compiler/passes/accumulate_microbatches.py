@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, is_inserted, tag

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..lower.backend import StepBackend
-from .context import CompileContext
+from shardlang.spec.vocabulary import StepBackend
+from ..context import CompileContext
 from ..ir.graph_utils import positions, storage_key, tensor_leaves
 from ..ir.shapes import propagate_shapes, remember_shapes
 from ..ir.trace import Phase, phase_of

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, tag
 from ..ir.trace import Phase

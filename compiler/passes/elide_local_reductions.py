@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from ..lower.backend import StepBackend
-from .context import CompileContext
+from shardlang.spec.vocabulary import StepBackend
+from ..context import CompileContext
 from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from ..layout.member_updates import FLAT, GRAD, SAME, update_members_
 from .contract import GraphProperty, graph_pass

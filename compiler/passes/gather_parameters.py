@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..layout.flat import unpack_member
 from ..ir.graph_utils import first_user, placeholders_by_flat, positions
 from ..ir.tags import NodeKind, tag

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import placeholders_by_flat, positions
 from ..ir.tags import NodeKind, tag
 from shardlang.spec.vocabulary import Strategy

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..ir import collectives
-from ..lower.backend import StepBackend
-from .context import CompileContext
+from shardlang.spec.vocabulary import StepBackend
+from ..context import CompileContext
 from ..layout.flat import is_new_flat_buffer
 from ..ir.tags import retag
 from shardlang.spec.vocabulary import Accumulation

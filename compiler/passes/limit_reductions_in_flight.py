@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, kind_of, node_tag
 from .contract import GraphProperty, graph_pass

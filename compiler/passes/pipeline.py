@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.provenance import failing_node, site_of_node
 from ..ir.tags import verify_tags

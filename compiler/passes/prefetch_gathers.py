@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, kind_of
 from ..ir.trace import Phase, phase_of

@@ -47,7 +47,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.graph_utils import positions
 from ..ir.tags import is_inserted, set_phase

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..layout.flat import flatten_gradients, pack_gradients, pack_whole_gradients
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, kind_of, set_phase, tag

@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..ir import collectives
 from ..ir.tags import NodeKind, kind_of
 from ..layout.flat import is_new_flat_buffer
-from .context import CompileContext
+from ..context import CompileContext
 from .contract import GraphProperty, graph_pass
 
 _aten = torch.ops.aten

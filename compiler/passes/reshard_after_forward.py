@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions
 from ..ir.tags import NodeKind, kind_of, node_tag, set_phase, tag
 from shardlang.spec.vocabulary import Strategy

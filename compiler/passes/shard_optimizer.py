@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .context import CompileContext
+from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.tags import NodeKind, is_inserted, kind_of
 from ..ir.shapes import propagate_shapes

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.graph_utils import positions
 from ..ir.tags import NodeKind, tag

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from .context import CompileContext
+from ..context import CompileContext
 from ..ir.tags import NodeKind, tag
 from ..ir.trace import phase_of
 from .contract import GraphProperty, graph_pass

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import collectives
-from ..passes.context import CompileContext
+from ..context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies
 from ..ir.tags import NodeKind, kind_of, node_tag
 from ..layout.member_updates import written_in_place

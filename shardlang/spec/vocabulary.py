@@ -1,4 +1,5 @@
-"""The words of the spec language that the compiler also speaks: strategies, recompute, accumulation, random numbers.
+"""The words of the spec language that the compiler also speaks: strategies, recompute, accumulation, random
+numbers, backends.
 
 A user writes these (`sl.ZeRO3`, `sl.Recompute.FULL`, `sl.Accumulation.KEEP`);
 the compiler decides by them. They are defined here, with the language, and
@@ -91,3 +92,10 @@ class RandomScheme(enum.Enum):
 
     PER_RANK = "per_rank"
     GLOBAL = "global"
+
+
+class StepBackend(enum.Enum):
+    """What runs the bound step graph (`Options(backend=...)`). Example: ``StepBackend("inductor")``."""
+
+    EAGER = "eager"
+    INDUCTOR = "inductor"

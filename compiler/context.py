@@ -1,4 +1,4 @@
-"""What every pass may read besides the graph: the plain-data facts of one compilation."""
+"""What every pass, the schedule and the analyses read besides the graph: one compilation's plain-data facts."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ from collections.abc import Mapping
 
 import attrs
 
-from shardlang.spec.vocabulary import Recompute
+from shardlang.spec.vocabulary import Recompute, StepBackend
 
-from ..config import StepConfig
-from ..ir.trace import GraphInput
-from ..ir.training import Training
-from ..layout.flat import FlatParam
-from ..layout.placement import MeshShape
-from ..lower.backend import StepBackend
+from .config import StepConfig
+from .ir.trace import GraphInput
+from .ir.training import Training
+from .layout.flat import FlatParam
+from .layout.placement import MeshShape
 
 
 @attrs.frozen
