@@ -31,7 +31,9 @@ from .spec.mesh import Mesh
 from .spec.precision import MixedPrecision
 from .spec.recompute import Recompute, RecomputeRule
 from .spec.rules import Rule
-from .spec.spec import Options, ResolvedSpec, Spec
+from .spec.options import Options
+from .spec.resolved import ResolvedSpec
+from .spec.spec import Spec
 from .spec.strategy import DDP, Strategy, StrategyRule, ZeRO1, ZeRO2, ZeRO3
 from .step.step import Step
 from .spec.training import ParamGroup

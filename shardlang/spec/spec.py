@@ -1,4 +1,4 @@
-"""`Spec`: how a model's parameters are laid out over a mesh, and `ResolvedSpec`, a spec met with a model.
+"""`Spec`: how a model's parameters are laid out over a mesh; `Spec.resolve` meets it with a model.
 
 A spec has four parts: the mesh (`shardlang.spec.mesh`), the rules that give each
 parameter a layout (`shardlang.spec.rules`), the units that are gathered together
@@ -19,7 +19,6 @@ against a model and a world size and gives the compiler plain `ParamInfo` data.
 from __future__ import annotations
 
 import contextlib
-import enum
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,15 +27,17 @@ import attrs
 from torch import nn
 
 from shardlang.errors import SpecError
-from ..compiler import MeshShape, ParamInfo, Placement, Precision, Scheduling, StepBackend, StepConfig
+from ..compiler import ParamInfo
 from shardlang.spec.vocabulary import Recompute, Strategy
-from shardlang.spec.layout import Layout, Replicate, Shard, shard
+from shardlang.spec.layout import Shard, shard
 from shardlang.spec.mesh import Mesh, check_world_size
-from shardlang.spec.precision import MixedPrecision
+from shardlang.spec.options import Options, options_from_dict
+from shardlang.spec.resolved import ResolvedSpec
+from shardlang.spec.toml_text import to_toml_text
 from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang.spec import training
 from shardlang.spec.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
-from shardlang.spec.strategy import StrategyRule, strategy_repr, strategy_rule_from_dict, to_strategies
+from shardlang.spec.strategy import StrategyRule, strategy_rule_from_dict, to_strategies
 from shardlang.spec.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
@@ -47,124 +48,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
-_OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
-                "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend",
-                "keep_reduction_buffers")
 _SHOWN_NAMES = 12
-
-
-def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, bool):
-        raise SpecError(f"Options.{attribute.name} is {value!r}; it must be True or False")
-
-
-def _check_prefetch(_instance: object, _attribute: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(
-            f"Options.prefetch is {value!r}; it must be an int >= 0 "
-            "(0: gather each unit when it is needed; k: gather up to k units ahead)"
-        )
-
-
-def _check_mixed_precision(_instance: object, _attribute: object, value: object) -> None:
-    if value is not None and not isinstance(value, MixedPrecision):
-        raise SpecError(
-            f"Options.mixed_precision is {value!r}; it must be None or "
-            "sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
-        )
-
-
-def _check_bucket_bytes(_instance: object, _attribute: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(
-            f"Options.bucket_bytes is {value!r}; it must be an int >= 0 (0: one collective per flat parameter; "
-            "b: merge consecutive flat parameters smaller than b bytes into buckets of about b bytes)"
-        )
-
-
-def _check_memory_budget(_instance: object, _attribute: object, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise SpecError(
-            f"Options.memory_budget is {value!r}; it must be None or a positive int, the bytes one rank may use "
-            "at its peak (the compiler then picks the deepest prefetch whose planned peak fits)"
-        )
-
-
-def _to_backend(value: object) -> StepBackend:
-    if isinstance(value, StepBackend):
-        return value
-    try:
-        return StepBackend(value)
-    except ValueError:
-        raise SpecError(f"Options.backend is {value!r}; valid backends are "
-                        f"{[b.value for b in StepBackend]} ('inductor': compile the step with torch.compile's "
-                        "inductor, collectives included)") from None
-
-
-@attrs.frozen
-class Options:
-    """How the compiled step trades memory for overlap.
-
-    - ``reshard_after_forward``: free each unit's gathered parameters after its
-      forward and gather them again for its backward (ZeRO-3, least memory); False
-      keeps them from forward to backward (ZeRO-2-like, one gather fewer per unit).
-    - ``prefetch``: how many units ahead to issue the next all-gather, so it overlaps
-      the current unit's compute; 0 gathers each unit only when it is needed.
-    - training (docs/training.md): ``clip_grad_norm`` (clip the global gradient
-      norm, None: off), ``microbatches`` and ``accumulation`` (k micro-batches per
-      optimizer step, `Accumulation.PER_MICROBATCH` or `Accumulation.KEEP`),
-      ``random`` and ``seed`` (how ranks draw dropout masks, `RandomScheme`).
-    - ``memory_budget``: bytes per rank; the compiler picks the deepest prefetch
-      whose planned peak fits (``prefetch`` is then ignored).
-    - ``bucket_bytes``: merge consecutive small flat parameters into one
-      collective (docs/plan.md, "Bucketing"); 0 (the default) keeps one per unit.
-    - ``skip_nonfinite``: a step whose global gradient norm is inf or nan leaves the
-      parameters and optimizer state as they were, and is counted, as AMP's
-      GradScaler skips ``optimizer.step()`` (docs/training.md).
-    - ``backend``: what runs the compiled graph: ``"eager"`` (the default, node by
-      node) or ``"inductor"`` (torch.compile's inductor compiles the whole step,
-      collectives included; `compiler.lower.backend`, docs/spec.md).
-    - ``keep_reduction_buffers``: the full-size all-reduce buffer of each replicated
-      gradient (the DDP strategy, ``replicate()`` parameters) is kept between steps
-      and refilled, as torch DDP keeps its buckets (True, the default: no fresh
-      pages every step); False frees it after each step, a full gradient fewer held
-      between steps. Eager backend only (docs/spec.md).
-
-    Example: ``Options(reshard_after_forward=False, prefetch=2)``.
-    """
-
-    reshard_after_forward: bool = attrs.field(default=True, validator=_check_bool)
-    prefetch: int = attrs.field(default=1, validator=_check_prefetch)
-    mixed_precision: MixedPrecision | None = attrs.field(default=None, validator=_check_mixed_precision)
-    clip_grad_norm: float | None = attrs.field(default=None, validator=training.check_clip_grad_norm)
-    microbatches: int = attrs.field(default=1, validator=training.check_microbatches)
-    accumulation: training.Accumulation = attrs.field(default=training.Accumulation.PER_MICROBATCH,
-                                                      converter=training.to_accumulation, repr=training.enum_repr)
-    random: training.RandomScheme = attrs.field(default=training.RandomScheme.PER_RANK, converter=training.to_random,
-                                                repr=training.enum_repr)
-    seed: int = attrs.field(default=0, validator=training.check_seed)
-    bucket_bytes: int = attrs.field(default=0, validator=_check_bucket_bytes)
-    memory_budget: int | None = attrs.field(default=None, validator=_check_memory_budget)
-    skip_nonfinite: bool = attrs.field(default=False, validator=_check_bool)
-    backend: StepBackend = attrs.field(default=StepBackend.EAGER, converter=_to_backend, repr=training.enum_repr)
-    keep_reduction_buffers: bool = attrs.field(default=True, validator=_check_bool)
-
-    def to_dict(self) -> dict[str, object]:
-        """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
-        d: dict[str, object] = {"reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
-        if self.mixed_precision is not None:
-            d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
-        for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers"):  # only when not the default
-            value = getattr(self, name)
-            if value != _OPTION_DEFAULTS[name]:
-                d[name] = value.value if isinstance(value, enum.Enum) else value
-        return d
-
-
-_OPTION_DEFAULTS = {a.name: a.default for a in attrs.fields(Options)}
-
-
 def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
     if not isinstance(mesh, Mesh):
         raise SpecError(f"Spec mesh is {mesh!r}; it must be a Mesh, e.g. Mesh(fsdp=4) or Mesh(fsdp=-1)")
@@ -259,7 +143,7 @@ class Spec:
                 if not isinstance(raw, list):
                     raise SpecError(f"rules is {raw!r}; it must be a list of rule tables ([[rules]] in TOML)")
                 rules = [rule_from_dict(r, f"rules[{i}]") for i, r in enumerate(raw)]
-            options = _options_from_dict(d.get("options", {}))
+            options = options_from_dict(d.get("options", {}))
             groups = d.get("param_groups", ())
             if not isinstance(groups, list | tuple):
                 raise SpecError(f"param_groups is {groups!r}; it must be a list of tables ([[param_groups]] in TOML)")
@@ -333,7 +217,7 @@ class Spec:
 
         Example: ``Path("spec.toml").write_text(spec.to_toml())``.
         """
-        return _to_toml(self.to_dict(), table)
+        return to_toml_text(self.to_dict(), table)
 
     # -- meeting the model ----------------------------------------------------------------------
 
@@ -433,72 +317,7 @@ class Spec:
             )
 
 
-@attrs.frozen
-class ResolvedSpec:
-    """A spec met with a model and a world size: the plain data the compiler consumes.
-
-    ``params`` follows ``model.named_parameters()`` order. Example::
-
-        resolved = Spec(Mesh(fsdp=-1)).resolve(model, world_size=2)
-        resolved.mesh == MeshShape((("fsdp", 2),))
-        print(resolved.describe())
-    """
-
-    mesh: MeshShape
-    params: tuple[ParamInfo, ...] = attrs.field(converter=tuple)
-    options: Options
-    param_groups: tuple[training.ParamGroup, ...] = ()
-    group_of: dict[str, int] = attrs.field(factory=dict)  # trainable parameter -> its group (1-based), if any
-    recompute: dict[str, Recompute] = attrs.field(factory=dict)  # unit -> its recompute policy
-
-    @property
-    def config(self) -> StepConfig:
-        """What the compiler is asked to make (`compiler.config.StepConfig`): placements, mesh, options by concern.
-
-        Example: ``compile_step(model, loss_fn, resolved.config, sl.AdamW(lr=1e-3), batch)``.
-        """
-        o = self.options
-        mp = o.mixed_precision
-        return StepConfig(
-            self.params, self.mesh,
-            precision=Precision(mp.param_dtype, mp.reduce_dtype) if mp is not None else Precision(),
-            scheduling=Scheduling(reshard_after_forward=o.reshard_after_forward, prefetch=o.prefetch,
-                                  bucket_bytes=o.bucket_bytes, recompute=self.recompute,
-                                  keep_reduction_buffers=o.keep_reduction_buffers),
-            training=training.training_of(self), backend=o.backend)
-
-    @property
-    def units(self) -> tuple[str, ...]:
-        """The units that hold parameters, in order of their first parameter; ``""`` is the root."""
-        return tuple(dict.fromkeys(p.unit for p in self.params))
-
-    def param(self, name: str) -> ParamInfo:
-        """The `ParamInfo` named ``name``. Example: ``resolved.param("head.weight").unit``."""
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise SpecError(f"no parameter named {name!r}; the parameters are {_some([p.name for p in self.params])}")
-
-    def describe(self) -> str:
-        """A table of every parameter: name, shape, dtype, trainable, unit, layout. Example: ``print(r.describe())``."""
-        rows = [("parameter", "shape", "dtype", "trainable", "unit", "layout", "strategy")]
-        for p in self.params:
-            dtype = str(p.dtype).removeprefix("torch.")
-            layout = repr(_layout_of(p.placement))
-            strategy = strategy_repr(p.strategy) if p.strategy is not None else ""
-            rows.append((p.name, str(list(p.shape)), dtype, str(p.trainable), unit_label(p.unit), layout, strategy))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
-
-
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def _layout_of(placement: Placement) -> Layout:
-    """The layout that gives ``placement`` (a dim already made non-negative)."""
-    if not placement.is_sharded:
-        return Replicate()
-    return Shard(placement.axis, placement.dim)  # type: ignore[arg-type]
 
 
 def _some(names: list[str]) -> str:
@@ -527,52 +346,6 @@ def _mesh_from_dict(raw: object) -> Mesh:
     if not all(isinstance(k, str) for k in raw):
         raise SpecError(f"mesh is {raw!r}; its keys must be axis names (strings) such as 'fsdp'")
     return Mesh(**raw)
-
-
-def _options_from_dict(raw: object) -> Options:
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"options is {raw!r}; it must be a table with keys {list(_OPTION_KEYS)}")
-    _check_keys(raw, _OPTION_KEYS, "options")
-    raw = dict(raw)
-    if raw.get("mixed_precision") is not None:
-        raw["mixed_precision"] = MixedPrecision.from_dict(dict(raw["mixed_precision"]))
-    return Options(**raw)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)  # finite (validated); TOML reads Python's repr of a float back exactly
-    if isinstance(value, str):
-        escaped = "".join(c if c.isprintable() and c not in '"\\' else _toml_escape(c) for c in value)
-        return f'"{escaped}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")  # internal: to_dict gives only the types above
-
-
-def _toml_escape(c: str) -> str:
-    simple = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
-    return simple.get(c) or (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
-
-
-def _to_toml(d: dict[str, object], table: str | None) -> str:
-    """TOML text for a dict of scalars, lists of scalars, tables, and lists of tables (to_dict's output)."""
-    prefix = f"{table}." if table else ""
-    head = [f"[{table}]"] if table else []
-    body: list[str] = []
-    for key, value in d.items():
-        if isinstance(value, dict):
-            body += ["", f"[{prefix}{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items()]
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            for item in value:
-                body += ["", f"[[{prefix}{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in item.items()]
-        else:
-            head.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(head + body).strip("\n") + "\n"
 
 
 _RULE_NOUN = {"strategies": "strategy", "recompute": "recompute"}
