@@ -13,7 +13,10 @@ same N processes, one after the other, and each is measured the same way:
   ``step.save_async`` / ``dcp.async_save`` (on a gloo group of its own), minus the
   mean of the same number of steps with no save in flight; the call itself
   (shardlang's copy of the state; DCP's staging) is reported apart;
-- bytes on disk: the checkpoint directory's files.
+- bytes on disk: the checkpoint directory's files;
+- the checksums' cost, apart (shardlang only): reading this rank's files back
+  and checksumming them (what the manifest cost before the writer threads
+  checksummed as they wrote), and the load's share of the checksums.
 
 Each measurement is repeated ``--repeats`` times and the median is reported (the
 machine is shared: timings are noisy). Writes JSON to ``--out`` and prints a table.
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardlang.checkpoint import store
 from shardlang.runtime import WorkerPool
 
 from .modes import SIZES, RunSpec, build_trainer
@@ -102,6 +106,11 @@ def measure_rank(ctx, size: str, root: str, steps: int, repeats: int, partial: s
                 step = trainer.step_fn
                 result["save_s"].append(_barrier_time(lambda: step.save(path)))
                 result["load_s"].append(_barrier_time(lambda: step.load(path)))
+                files = store.own_files(path, ctx.rank, ctx.world_size)
+                result.setdefault("read_back_checksums_s", []).append(_barrier_time(lambda: store.describe(files)))
+                manifest = store.read_manifest(path)
+                result.setdefault("load_checksums_s", []).append(
+                    _barrier_time(lambda: store.damaged_files(path, manifest, ctx.rank, ctx.world_size)))
             else:
                 result["save_s"].append(_barrier_time(lambda: dcp.save(_fsdp_state(trainer), checkpoint_id=str(path))))
 
@@ -174,6 +183,12 @@ def report(result: dict) -> str:
         lines.append(f"| {mode} | {med['save_s']:.2f} s | {med['load_s']:.2f} s | {med['async_call_s']:.2f} s | "
                      f"{med['async_steps_s']:.2f} s | {med['plain_steps_s']:.2f} s | "
                      f"{med['async_steps_s'] - med['plain_steps_s']:+.2f} s | {r['bytes'] / 1e6:.0f} MB |")
+    for mode, r in result["modes"].items():
+        if "read_back_checksums_s" in r:
+            lines.append(f"\n{mode} checksums, apart: reading its files back and checksumming them "
+                         f"{statistics.median(r['read_back_checksums_s']):.2f} s (avoided: the writer checksums as "
+                         f"it writes); a load's share {statistics.median(r['load_checksums_s']):.2f} s (overlapped "
+                         "with the read)")
     return "\n".join(lines)
 
 

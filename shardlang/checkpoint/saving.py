@@ -9,6 +9,17 @@ thread over a gloo group of its own, so training goes on meanwhile. `load`
 checks the files and the keys, then lets DCP read each rank's chunks straight
 into its storage, resharding from whatever layout and world size wrote them.
 
+Note [checksums while writing]: the manifest's CRC-32s are computed by DCP's
+writer threads as the bytes go out (`checksums.ChecksummingWriter`), not by
+reading the files back.
+
+Note [checksums while loading]: a load first checks that every file is there
+with its size (nothing is written before that); then DCP reads while a thread
+checksums this rank's share of the files, and a damaged file is reported on
+every rank (ahead of whatever error reading it caused). A load that fails on a
+checksum has overwritten part of the step's state with what it read: load
+another checkpoint, or build the step again.
+
 Example::
 
     step.save("ckpt/step-3")                  # what `Step.save` calls
@@ -29,16 +40,19 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compiler import hyper_name
 from ..errors import CheckpointError
 from . import store
+from .checksums import ChecksummingWriter
 from .planner import EntryLoadPlanner, EntrySavePlanner
 from .untrusted import SafeReader
 from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, meta, schedule_from_saved,
                          model_entries, optimizer_entries, own_entries, param_groups, set_rng)
+
+#: DCP writer threads per rank (`FileSystemWriter(thread_count=...)`), chosen by measurement (docs/benchmarks.md).
+WRITER_THREADS = 2
 
 
 @attrs.frozen
@@ -149,11 +163,12 @@ def _write(sd: dict, path: Path, ctx, group, run: str | None = None) -> Path:
     tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
     record = json.loads(sd["shardlang"]["meta"])
     try:
+        writer = ChecksummingWriter(str(tmp), thread_count=WRITER_THREADS)
         with _quiet(ctx):
-            dcp.save(sd, storage_writer=FileSystemWriter(str(tmp)), planner=EntrySavePlanner(),
+            dcp.save(sd, storage_writer=writer, planner=EntrySavePlanner(),
                      process_group=group, no_dist=not ctx.has_process_group)
         store.publish(path, ctx.rank, ctx.world_size, group,
-                      {"steps": record["steps"], "world_size": ctx.world_size, "run": run})
+                      {"steps": record["steps"], "world_size": ctx.world_size, "run": run}, writer.checksums)
     except Exception as exc:  # nothing half-written stays behind; the previous checkpoint is untouched
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -204,8 +219,9 @@ def load(step, path) -> Restored:
     path = Path(path)
     ctx = step.dist
     own = (path / store.MANIFEST).is_file()
+    manifest = store.read_manifest(path) if own else None
     if own:
-        store.verify(path, store.read_manifest(path), ctx.rank, ctx.world_size, None)
+        store.check_sizes(path, manifest)
     elif not (path / ".metadata").is_file():
         store.read_manifest(path)  # raises: not a directory, or an unfinished save
     reader = SafeReader(str(path))  # Note [checkpoints run no code]
@@ -217,12 +233,26 @@ def load(step, path) -> Restored:
         raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}", path=path / ".metadata") from None
     _check_no_extra(saved, step, path)
     target, optional = _targets(step, saved)
-    try:
-        with _quiet(ctx):
-            dcp.load(target, storage_reader=reader, planner=EntryLoadPlanner(str(path), frozenset(optional)),
-                     no_dist=not ctx.has_process_group)
-    except CheckpointException as exc:
-        raise _unwrap(exc, path) from None
+    # Note [checksums while loading]: this rank's share of the files is checksummed on a thread while DCP reads
+    # (zlib releases the GIL), instead of in a pass before it.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlang-verify") as pool:
+        checking = pool.submit(store.damaged_files, path, manifest, ctx.rank, ctx.world_size) if own else None
+        failure = None
+        try:
+            with _quiet(ctx):
+                dcp.load(target, storage_reader=reader, planner=EntryLoadPlanner(str(path), frozenset(optional)),
+                         no_dist=not ctx.has_process_group)
+        except CheckpointException as exc:
+            failure = _unwrap(exc, path)
+        except CheckpointError as exc:  # every rank still takes part in the agreement below
+            failure = exc
+        except Exception as exc:
+            failure = CheckpointError(f"reading checkpoint {path} failed: {type(exc).__name__}: {exc}", path=path)
+            failure.__cause__ = exc
+        if checking is not None:  # a damaged file explains a failed read better than the read's own error
+            store.agree_on_damage(path, checking.result(), ctx.world_size, None)
+    if failure is not None:
+        raise failure
     return _apply(step, target, saved, path)
 
 

@@ -76,8 +76,17 @@ def own_files(directory: Path, rank: int, world: int) -> list[Path]:
     return mine
 
 
-def describe(files: list[Path]) -> dict[str, dict[str, int]]:
-    return {p.name: {"bytes": p.stat().st_size, "crc32": crc32_of(p)} for p in files}
+def describe(files: list[Path], known: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """Each file's size and CRC-32: from ``known`` (what the writer checksummed as it wrote) when the size on disk
+    agrees, else read from disk."""
+    known = known or {}
+    out = {}
+    for p in files:
+        size = p.stat().st_size
+        record = known.get(p.name)
+        out[p.name] = record if record is not None and record["bytes"] == size else {"bytes": size,
+                                                                                        "crc32": crc32_of(p)}
+    return out
 
 
 def prepare(path: Path, rank: int, world: int, group) -> Path:
@@ -91,13 +100,15 @@ def prepare(path: Path, rank: int, world: int, group) -> Path:
     return tmp
 
 
-def publish(path: Path, rank: int, world: int, group, record: dict) -> None:
+def publish(path: Path, rank: int, world: int, group, record: dict,
+            known: dict[str, dict[str, int]] | None = None) -> None:
     """Checksum, write the manifest and rename ``path``'s temporary directory into place (Note [atomic checkpoints]).
 
-    Collective over ``group`` (None: no process group, one rank).
+    Collective over ``group`` (None: no process group, one rank). ``known`` holds the checksums the writer
+    computed as it wrote (`checksums.ChecksummingWriter`); other files are read back.
     """
     tmp = temporary(path)
-    files = describe(own_files(tmp, rank, world))
+    files = describe(own_files(tmp, rank, world), known)
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, files, group=group)
@@ -165,9 +176,26 @@ def _plain_file_name(name: object) -> bool:
 
 def verify(path: Path, manifest: dict, rank: int, world: int, group) -> None:
     """Check every file of the manifest (size, CRC-32), each rank a share; raise on every rank if any is bad."""
+    agree_on_damage(path, damaged_files(path, manifest, rank, world), world, group)
+
+
+def check_sizes(path: Path, manifest: dict) -> None:
+    """Every file of the manifest is there with its size (no reading): what a load checks before it writes."""
+    problems = [p for name, expected in sorted(manifest["files"].items())
+                for p in [_check_file(path / name, expected, read=False)] if p]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems), path=path)
+
+
+def damaged_files(path: Path, manifest: dict, rank: int, world: int) -> list[str]:
+    """What is wrong with this rank's share of the manifest's files (size, CRC-32); no collective."""
     names = sorted(manifest["files"])
-    problems = [p for i, name in enumerate(names) if i % world == rank
-                for p in [_check_file(path / name, manifest["files"][name])] if p]
+    return [p for i, name in enumerate(names) if i % world == rank
+            for p in [_check_file(path / name, manifest["files"][name])] if p]
+
+
+def agree_on_damage(path: Path, problems: list[str], world: int, group) -> None:
+    """Every rank's problems, gathered (a collective over ``group``); raise on every rank if any rank found one."""
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, problems, group=group)
@@ -176,13 +204,13 @@ def verify(path: Path, manifest: dict, rank: int, world: int, group) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems), path=path)
 
 
-def _check_file(file: Path, expected: dict) -> str | None:
+def _check_file(file: Path, expected: dict, read: bool = True) -> str | None:
     if not file.is_file():
         return f"{file} is missing"
     size = file.stat().st_size
     if size != expected["bytes"]:
         return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
-    if crc32_of(file) != expected["crc32"]:
+    if read and crc32_of(file) != expected["crc32"]:
         return f"{file} does not match its checksum (corrupt)"
     return None
 
