@@ -8,15 +8,15 @@ same N processes, one after the other, and each is measured the same way:
   "optimizer": get_optimizer_state_dict})``, wall time on the slowest rank, from a
   barrier to the end of the save (both include every rank's write and the metadata);
 - load: ``step.load(dir)`` against ``get_*_state_dict`` + ``dcp.load`` +
-  ``set_*_state_dict`` (shardlang's includes checking every file's CRC-32);
+  ``set_*_state_dict`` (shardlang's includes checking every file's digest);
 - async-save overhead: the mean time of ``--steps`` training steps right after
   ``step.save_async`` / ``dcp.async_save`` (on a gloo group of its own), minus the
   mean of the same number of steps with no save in flight; the call itself
   (shardlang's copy of the state; DCP's staging) is reported apart;
 - bytes on disk: the checkpoint directory's files;
-- the checksums' cost, apart (shardlang only): reading this rank's files back
-  and checksumming them (what the manifest cost before the writer threads
-  checksummed as they wrote), and the load's share of the checksums.
+- the digests' cost, apart (shardlang only): reading this rank's files back
+  and digesting them (what the manifest cost before the writer threads
+  digested as they wrote), and the load's share of the digests.
 
 Each measurement is repeated ``--repeats`` times and the median is reported (the
 machine is shared: timings are noisy). Writes JSON to ``--out`` and prints a table.
@@ -185,10 +185,10 @@ def report(result: dict) -> str:
                      f"{med['async_steps_s'] - med['plain_steps_s']:+.2f} s | {r['bytes'] / 1e6:.0f} MB |")
     for mode, r in result["modes"].items():
         if "read_back_checksums_s" in r:
-            lines.append(f"\n{mode} checksums, apart: reading its files back and checksumming them "
-                         f"{statistics.median(r['read_back_checksums_s']):.2f} s (avoided: the writer checksums as "
-                         f"it writes); a load's share {statistics.median(r['load_checksums_s']):.2f} s (overlapped "
-                         "with the read)")
+            lines.append(f"\n{mode} digests, apart: reading its files back and digesting them "
+                         f"{statistics.median(r['read_back_checksums_s']):.2f} s (avoided: the writer digests as "
+                         f"it writes); a load's share {statistics.median(r['load_checksums_s']):.2f} s (on a thread "
+                         "while DCP reads)")
     return "\n".join(lines)
 
 

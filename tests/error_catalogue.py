@@ -143,7 +143,7 @@ def _outside_manifest(tmp: Path) -> Path:
 
     path = _saved(tmp)
     manifest = json.loads((path / store.MANIFEST).read_text())
-    manifest["files"]["../../etc/passwd"] = {"bytes": 1, "crc32": 0}
+    manifest["files"]["../../etc/passwd"] = {"bytes": 1, "xxh3_64": 0}
     (path / store.MANIFEST).write_text(json.dumps(manifest))
     return path
 

@@ -31,7 +31,7 @@ def test_every_file_is_checksummed_as_written_and_matches_a_read_back(tmp_path, 
     assert {p.name for p in files} == set(writer.checksums)
     assert ".metadata" in writer.checksums  # written as a .tmp and renamed
     for p in files:
-        assert writer.checksums[p.name] == {"bytes": p.stat().st_size, "crc32": store.crc32_of(p)}
+        assert writer.checksums[p.name] == {"bytes": p.stat().st_size, store.DIGEST: store.digest_of(p)}
     assert store.describe(files, writer.checksums) == store.describe(files)
 
 
@@ -41,7 +41,7 @@ def test_a_file_whose_size_changed_after_writing_is_read_back(tmp_path):
     with open(victim, "ab") as f:
         f.write(b"tail")
     described = store.describe([victim], writer.checksums)[victim.name]
-    assert described == {"bytes": victim.stat().st_size, "crc32": store.crc32_of(victim)}
+    assert described == {"bytes": victim.stat().st_size, store.DIGEST: store.digest_of(victim)}
     assert described != writer.checksums[victim.name]
 
 
@@ -53,3 +53,15 @@ def test_a_stream_written_out_of_order_is_not_trusted():
     stream.seek(0)
     stream.write(b"x")
     assert not stream.in_order
+
+
+def test_a_manifest_written_with_crc32_is_still_checked_by_it(tmp_path):
+    writer = _save(tmp_path, 1)
+    victim = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp")
+    old_style = {"files": {victim.name: {"bytes": victim.stat().st_size, "crc32": store.crc32_of(victim)}}}
+    assert store.damaged_files(tmp_path, old_style, 0, 1) == []
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    assert store.damaged_files(tmp_path, old_style, 0, 1) == [f"{victim} does not match its checksum (corrupt)"]
+    assert writer.checksums[victim.name][store.DIGEST] != store.digest_of(victim)

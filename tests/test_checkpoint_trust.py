@@ -132,7 +132,7 @@ def test_a_manifest_naming_files_outside_its_directory_is_refused(tmp_path, name
     path = tmp_path / "step-00000001"
     _step().save(path)
     manifest = json.loads((path / store.MANIFEST).read_text())
-    manifest["files"][name] = {"bytes": 1, "crc32": 0}
+    manifest["files"][name] = {"bytes": 1, "xxh3_64": 0}
     (path / store.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="not a file of its directory"):
         _step().load(path)

@@ -1,10 +1,10 @@
-"""CRC-32 of a checkpoint's files, computed by the writer threads as the bytes go out.
+"""The digests of a checkpoint's files, computed by the writer threads as the bytes go out.
 
-`store.publish` needs every file's size and CRC-32 for the manifest. Reading
+`store.publish` needs every file's size and digest (`store.DIGEST`) for the manifest. Reading
 each file back to checksum it costs a second pass over the whole state (at
 100M parameters, 600 MB a rank). `ChecksummingWriter` is DCP's
-`FileSystemWriter` whose streams update a running CRC-32 on every write, so the
-checksums are ready when the files are closed. A file written out of order (a
+`FileSystemWriter` whose streams update a running digest on every write, so the
+digests are ready when the files are closed. A file written out of order (a
 seek back) is not trusted: it is checksummed again from disk, as is any file
 the writer did not write itself.
 
@@ -12,7 +12,7 @@ Example::
 
     writer = ChecksummingWriter(tmp, thread_count=2)
     dcp.save(state, storage_writer=writer)
-    writer.checksums      # {"__0_0.distcp": {"bytes": ..., "crc32": ...}, ".metadata": {...}}
+    writer.checksums      # {"__0_0.distcp": {"bytes": ..., "xxh3_64": ...}, ".metadata": {...}}
 """
 
 from __future__ import annotations
@@ -20,20 +20,22 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-import zlib
 from pathlib import Path
 
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from .store import DIGEST
+
 
 class _ChecksummedStream(io.RawIOBase):
-    """A write stream that passes every write through and folds it into a CRC-32."""
+    """A write stream that passes every write through and folds it into the digest."""
 
     def __init__(self, raw):
         super().__init__()
         self.raw = raw
-        self.crc = 0
+        self.digest = xxhash.xxh3_64()
         self.size = 0
         self.in_order = True  # every write appended at the end so far
 
@@ -45,7 +47,7 @@ class _ChecksummedStream(io.RawIOBase):
             self.in_order = False
         view = memoryview(data).cast("B")
         written = self.raw.write(view)
-        self.crc = zlib.crc32(view[:written], self.crc)
+        self.digest.update(view[:written])
         self.size += written
         return written
 
@@ -66,7 +68,7 @@ class _ChecksummedStream(io.RawIOBase):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, whose write streams checksum what they write (file name -> bytes, CRC-32)."""
+    """DCP's local file system, whose write streams digest what they write (file name -> bytes, digest)."""
 
     def __init__(self):
         super().__init__()
@@ -85,7 +87,7 @@ class _ChecksummingFileSystem(FileSystem):
             raw.flush()
         with self._lock:
             if stream.in_order:
-                self.checksums[Path(path).name] = {"bytes": stream.size, "crc32": stream.crc}
+                self.checksums[Path(path).name] = {"bytes": stream.size, DIGEST: stream.digest.intdigest()}
             else:
                 self.checksums.pop(Path(path).name, None)
 
@@ -98,7 +100,7 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """`FileSystemWriter` that knows each file's size and CRC-32 once written (`checksums`)."""
+    """`FileSystemWriter` that knows each file's size and digest once written (`checksums`)."""
 
     def __init__(self, path, **kwargs):
         super().__init__(path, **kwargs)

