@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import attrs
@@ -13,6 +14,12 @@ from .ir.trace import GraphInput
 from .ir.training import Training
 from .layout.flat import FlatParam
 from .layout.placement import MeshShape
+
+
+def _of_config(path: str, kind, doc: str = "") -> property:
+    """A read-only property of `CompileContext` that reads ``config.<path>`` (``kind`` documents its type)."""
+    read = operator.attrgetter(path)
+    return property(lambda self: read(self.config), doc=f"``config.{path}``" + (f": {doc}" if doc else ""))
 
 
 @attrs.frozen
@@ -31,36 +38,15 @@ class CompileContext:
     inputs: tuple[GraphInput, ...]
     evaluate: bool = False
 
-    @property
-    def mesh(self) -> MeshShape:
-        return self.config.mesh
-
-    @property
-    def training(self) -> Training:
-        return self.config.training
-
-    @property
-    def backend(self) -> StepBackend:
-        """What runs the bound graph; the cost model reads it (fusion)."""
-        return self.config.backend
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.config.scheduling.reshard_after_forward
-
-    @property
-    def prefetch(self) -> int:
-        return self.config.scheduling.prefetch
-
-    @property
-    def recompute(self) -> Mapping[str, Recompute]:
-        """Unit name -> its `Recompute` policy (units left out keep everything)."""
-        return self.config.scheduling.recompute
-
-    @property
-    def keep_reduction_buffers(self) -> bool:
-        """Note [kept reduction buffers] (`passes.keep_reduction_buffers`)."""
-        return self.config.scheduling.keep_reduction_buffers
+    mesh = _of_config("mesh", MeshShape)
+    training = _of_config("training", Training)
+    backend = _of_config("backend", StepBackend, "what runs the bound graph; the cost model reads it (fusion)")
+    reshard_after_forward = _of_config("scheduling.reshard_after_forward", bool)
+    prefetch = _of_config("scheduling.prefetch", int)
+    recompute = _of_config("scheduling.recompute", Mapping[str, Recompute],
+                           "unit name -> its `Recompute` policy (units left out keep everything)")
+    keep_reduction_buffers = _of_config("scheduling.keep_reduction_buffers", bool,
+                                        "Note [kept reduction buffers] (`passes.keep_reduction_buffers`)")
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

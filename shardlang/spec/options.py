@@ -30,12 +30,17 @@ def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) ->
         raise SpecError(f"Options.{attribute.name} is {value!r}; it must be True or False")
 
 
-def _check_prefetch(_instance: object, _attribute: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(
-            f"Options.prefetch is {value!r}; it must be an int >= 0 "
-            "(0: gather each unit when it is needed; k: gather up to k units ahead)"
-        )
+def _count(meaning: str):
+    """A validator: the option is an int >= 0; ``meaning`` says what its values do."""
+    def check(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"Options.{attribute.name} is {value!r}; it must be an int >= 0 ({meaning})")
+    return check
+
+
+_check_prefetch = _count("0: gather each unit when it is needed; k: gather up to k units ahead")
+_check_bucket_bytes = _count("0: one collective per flat parameter; b: merge consecutive flat parameters smaller "
+                             "than b bytes into buckets of about b bytes")
 
 
 def _check_mixed_precision(_instance: object, _attribute: object, value: object) -> None:
@@ -43,14 +48,6 @@ def _check_mixed_precision(_instance: object, _attribute: object, value: object)
         raise SpecError(
             f"Options.mixed_precision is {value!r}; it must be None or "
             "sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
-        )
-
-
-def _check_bucket_bytes(_instance: object, _attribute: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(
-            f"Options.bucket_bytes is {value!r}; it must be an int >= 0 (0: one collective per flat parameter; "
-            "b: merge consecutive flat parameters smaller than b bytes into buckets of about b bytes)"
         )
 
 

@@ -137,28 +137,15 @@ class Spec:
             if "mesh" not in d:
                 raise SpecError("missing key 'mesh', a table of axis sizes such as {fsdp = 4}")
             mesh = _mesh_from_dict(d["mesh"])
-            rules = None
-            if "rules" in d:
-                raw = d["rules"]
-                if not isinstance(raw, list):
-                    raise SpecError(f"rules is {raw!r}; it must be a list of rule tables ([[rules]] in TOML)")
-                rules = [rule_from_dict(r, f"rules[{i}]") for i, r in enumerate(raw)]
+            rules = _tables(d, "rules", rule_from_dict, "rule tables ([[rules]] in TOML)")
             options = options_from_dict(d.get("options", {}))
             groups = d.get("param_groups", ())
             if not isinstance(groups, list | tuple):
                 raise SpecError(f"param_groups is {groups!r}; it must be a list of tables ([[param_groups]] in TOML)")
-            strategies = d.get("strategies")
-            if strategies is not None:
-                if not isinstance(strategies, list):
-                    raise SpecError(f"strategies is {strategies!r}; it must be a list of strategy tables "
-                                    "([[strategies]] in TOML)")
-                strategies = [strategy_rule_from_dict(r, f"strategies[{i}]") for i, r in enumerate(strategies)]
-            recompute = d.get("recompute")
-            if recompute is not None:
-                if not isinstance(recompute, list):
-                    raise SpecError(f"recompute is {recompute!r}; it must be a list of recompute tables "
-                                    "([[recompute]] in TOML: pattern = 'blocks.*', policy = 'full')")
-                recompute = [recompute_rule_from_dict(r, f"recompute[{i}]") for i, r in enumerate(recompute)]
+            strategies = _tables(d, "strategies", strategy_rule_from_dict,
+                                 "strategy tables ([[strategies]] in TOML)")
+            recompute = _tables(d, "recompute", recompute_rule_from_dict, "recompute tables ([[recompute]] in "
+                                "TOML: pattern = 'blocks.*', policy = 'full')")
             return cls(mesh, rules=rules, units=d.get("units"), options=options, param_groups=groups,
                        strategies=strategies, recompute=recompute, source=source)
 
@@ -338,6 +325,16 @@ def _check_keys(d: Mapping[str, object], valid: tuple[str, ...], where: str) -> 
     for key in d:
         if key not in valid:
             raise SpecError(f"unknown key {key!r} in {where}; valid keys are {list(valid)}")
+
+
+def _tables(d: Mapping[str, object], key: str, read, what: str) -> list | None:
+    """The list of tables under ``key`` (None when absent), each read by ``read(table, "key[i]")``."""
+    raw = d.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise SpecError(f"{key} is {raw!r}; it must be a list of {what}")
+    return [read(r, f"{key}[{i}]") for i, r in enumerate(raw)]
 
 
 def _mesh_from_dict(raw: object) -> Mesh:
