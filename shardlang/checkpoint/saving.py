@@ -14,11 +14,14 @@ writer threads as the bytes go out (`checksums.ChecksummingWriter`), not by
 reading the files back.
 
 Note [checksums while loading]: a load first checks that every file is there
-with its size (nothing is written before that); then DCP reads while a thread
-checksums this rank's share of the files, and a damaged file is reported on
-every rank (ahead of whatever error reading it caused). A load that fails on a
-checksum has overwritten part of the step's state with what it read: load
-another checkpoint, or build the step again.
+with its size, and ``.metadata`` against its digest (nothing is written before
+that); then the reader checks each item's bytes against their segment digests
+as DCP reads them (Note [segment digests] in `checksums`), so no file is read
+twice. Files without segment digests (older manifests) are checked whole, each
+rank a share, on a thread while DCP reads. A damaged file is reported on every
+rank, ahead of whatever error reading it caused. A load that fails on a digest
+has overwritten part of the step's state with what it read: load another
+checkpoint, or build the step again.
 
 Example::
 
@@ -224,7 +227,7 @@ def load(step, path) -> Restored:
         store.check_sizes(path, manifest)
     elif not (path / ".metadata").is_file():
         store.read_manifest(path)  # raises: not a directory, or an unfinished save
-    reader = SafeReader(str(path))  # Note [checkpoints run no code]
+    reader = SafeReader(str(path), manifest["files"] if own else None)  # Note [checkpoints run no code]
     try:
         saved = reader.read_metadata().state_dict_metadata
     except CheckpointError:
@@ -233,10 +236,11 @@ def load(step, path) -> Restored:
         raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}", path=path / ".metadata") from None
     _check_no_extra(saved, step, path)
     target, optional = _targets(step, saved)
-    # Note [checksums while loading]: this rank's share of the files is checksummed on a thread while DCP reads
-    # (zlib releases the GIL), instead of in a pass before it.
+    # Note [checksums while loading]: the reader checks each item it reads by its segment digests; the files
+    # a manifest gives no segments (older checkpoints) are checked whole, this rank's share, on a thread.
+    whole = {"files": {n: e for n, e in manifest["files"].items() if store.SEGMENTS not in e}} if own else None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlang-verify") as pool:
-        checking = pool.submit(store.damaged_files, path, manifest, ctx.rank, ctx.world_size) if own else None
+        checking = pool.submit(store.damaged_files, path, whole, ctx.rank, ctx.world_size) if own else None
         failure = None
         try:
             with _quiet(ctx):
@@ -250,7 +254,9 @@ def load(step, path) -> Restored:
             failure = CheckpointError(f"reading checkpoint {path} failed: {type(exc).__name__}: {exc}", path=path)
             failure.__cause__ = exc
         if checking is not None:  # a damaged file explains a failed read better than the read's own error
-            store.agree_on_damage(path, checking.result(), ctx.world_size, None)
+            untiled = {"files": {n: manifest["files"][n] for n in sorted(reader.unverified)}}
+            problems = checking.result() + store.damaged_files(path, untiled, 0, 1)
+            store.agree_on_damage(path, problems, ctx.world_size, None)
     if failure is not None:
         raise failure
     return _apply(step, target, saved, path)

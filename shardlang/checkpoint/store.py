@@ -64,6 +64,8 @@ def temporary(path: Path) -> Path:
 
 #: The manifest's digest of each file (XXH3-64, as an int); older manifests have "crc32".
 DIGEST = "xxh3_64"
+#: The manifest's digests of a file's segments, ``[start, end, digest]`` (Note [segment digests] in `checksums`).
+SEGMENTS = "segments"
 
 
 def digest_of(file: Path) -> int:
@@ -185,6 +187,24 @@ def _check_manifest(manifest: object, file: Path) -> None:
         if not ok:
             raise CheckpointError(f"{file} is corrupt: the entry of {name!r} is {entry!r}; expected "
                                   f"{{\"bytes\": <int>, \"{DIGEST}\": <int>}}", path=file)
+        if SEGMENTS in entry and not _segments_ok(entry[SEGMENTS], entry["bytes"]):
+            raise CheckpointError(f"{file} is corrupt: the segments of {name!r} are not [start, end, digest] "
+                                  f"triples of increasing, non-overlapping ranges within its {entry['bytes']} bytes",
+                                  path=file)
+
+
+def _segments_ok(segments: object, size: int) -> bool:
+    if not isinstance(segments, list):
+        return False
+    end = 0
+    for seg in segments:
+        if not (isinstance(seg, list) and len(seg) == 3 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                   and v >= 0 for v in seg)):
+            return False
+        if not end <= seg[0] < seg[1] <= size:
+            return False
+        end = seg[1]
+    return True
 
 
 def _plain_file_name(name: object) -> bool:

@@ -27,16 +27,19 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CheckpointError
+from .store import DIGEST, SEGMENTS
 
 #: What `.metadata` may name: DCP's metadata types, and the torch and Python types their fields hold.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -80,14 +83,28 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's ``FileSystemReader``, with ``.metadata`` read by `MetadataUnpickler`."""
+    """DCP's ``FileSystemReader``, with ``.metadata`` read by `MetadataUnpickler`.
+
+    Given the manifest's ``files``, it checks the bytes it reads against their digests: ``.metadata``
+    whole, and each item by the file's segments (Note [segment digests] in `checksums`). A file whose
+    read ranges its segments do not tile is named in ``unverified``, for its caller to check whole.
+    """
+
+    def __init__(self, path: str, files: dict | None = None):
+        super().__init__(path)
+        self.files = files or {}
+        self.unverified: set[str] = set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         path = Path(self._get_metadata_path(rank))
         try:
             with open(path, "rb") as file:
-                metadata = MetadataUnpickler(file, str(path)).load()
+                data = file.read()
+            expected = self.files.get(path.name, {})
+            if DIGEST in expected and xxhash.xxh3_64_intdigest(data) != expected[DIGEST]:
+                raise CheckpointError(f"{path} does not match its checksum (corrupt)", path=path)
+            metadata = MetadataUnpickler(io.BytesIO(data), str(path)).load()
         except CheckpointError:
             raise
         except OSError as exc:
@@ -100,6 +117,40 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+    def _slice_file(self, file, sinfo):
+        name = Path(sinfo.relative_path).name
+        segments = _tiling(self.files.get(name, {}).get(SEGMENTS), sinfo.offset, sinfo.offset + sinfo.length)
+        if segments is None:
+            if name in self.files:
+                self.unverified.add(name)
+            return super()._slice_file(file, sinfo)
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)  # bytes: BytesIO shares them instead of copying
+        view = memoryview(data)
+        where = Path(self.path) / name
+        if len(data) != sinfo.length:
+            raise CheckpointError(f"{where} ends inside bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
+                                  "(truncated)", path=where)
+        for start, end, digest in segments:
+            if xxhash.xxh3_64_intdigest(view[start - sinfo.offset:end - sinfo.offset]) != digest:
+                raise CheckpointError(f"{where} does not match its checksum (corrupt): bytes {start}..{end}",
+                                      path=where)
+        return io.BytesIO(data)
+
+
+def _tiling(segments, start: int, end: int):
+    """The segments that cover exactly ``[start, end)``, in order; None when they do not tile it."""
+    if not segments:
+        return None
+    i = bisect.bisect_left(segments, [start])
+    out, at = [], start
+    while i < len(segments) and segments[i][0] == at and segments[i][1] <= end:
+        out.append(segments[i])
+        at = segments[i][1]
+        i += 1
+    return out if at == end and out else None
 
 
 def load_value(data: io.BytesIO, where: str, key: str) -> Any:
