@@ -23,7 +23,7 @@ machine is shared: timings are noisy). Writes JSON to ``--out`` and prints a tab
 
 Example::
 
-    python -m benchmarks.checkpoint --size 100M --world 4 --out docs/benchmarks/checkpoint.json
+    python -m benchmarks.checkpoint --size 100M --world 4 --out docs/benchmarks/checkpoint/100M-n4.json
 """
 
 from __future__ import annotations
