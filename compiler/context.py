@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
 
 import attrs
 
-from shardlang.spec.vocabulary import Recompute, StepBackend
-
 from .config import StepConfig
 from .ir.trace import GraphInput
-from .ir.training import Training
 from .layout.flat import FlatParam
-from .layout.placement import MeshShape
 
 
-def _of_config(path: str, kind, doc: str = "") -> property:
-    """A read-only property of `CompileContext` that reads ``config.<path>`` (``kind`` documents its type)."""
+def _of_config(path: str, doc: str = "") -> property:
+    """A read-only property of `CompileContext` that reads ``config.<path>``."""
     read = operator.attrgetter(path)
     return property(lambda self: read(self.config), doc=f"``config.{path}``" + (f": {doc}" if doc else ""))
 
@@ -38,14 +33,13 @@ class CompileContext:
     inputs: tuple[GraphInput, ...]
     evaluate: bool = False
 
-    mesh = _of_config("mesh", MeshShape)
-    training = _of_config("training", Training)
-    backend = _of_config("backend", StepBackend, "what runs the bound graph; the cost model reads it (fusion)")
-    reshard_after_forward = _of_config("scheduling.reshard_after_forward", bool)
-    prefetch = _of_config("scheduling.prefetch", int)
-    recompute = _of_config("scheduling.recompute", Mapping[str, Recompute],
-                           "unit name -> its `Recompute` policy (units left out keep everything)")
-    keep_reduction_buffers = _of_config("scheduling.keep_reduction_buffers", bool,
+    mesh = _of_config("mesh")
+    training = _of_config("training")
+    backend = _of_config("backend", "what runs the bound graph; the cost model reads it (fusion)")
+    reshard_after_forward = _of_config("scheduling.reshard_after_forward")
+    prefetch = _of_config("scheduling.prefetch")
+    recompute = _of_config("scheduling.recompute", "unit name -> its `Recompute` policy (units left out keep all)")
+    keep_reduction_buffers = _of_config("scheduling.keep_reduction_buffers",
                                         "Note [kept reduction buffers] (`passes.keep_reduction_buffers`)")
 
     def flat(self, name: str) -> FlatParam:

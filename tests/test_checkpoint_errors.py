@@ -5,6 +5,8 @@ Each is a `CheckpointError` that names the tensor or the file, and the state is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -103,6 +105,51 @@ def test_a_corrupt_file_is_named(saved, tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(sl.CheckpointError, match=r"__0_0\.distcp does not match its checksum \(corrupt\)"):
+        _step().load(path)
+
+
+def _flip_middle_byte(file):
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    file.write_bytes(bytes(raw))
+
+
+def _manifest(path):
+    return json.loads((path / "shardlang.json").read_text())
+
+
+def _write_manifest(path, manifest):
+    (path / "shardlang.json").write_text(json.dumps(manifest))
+
+
+CORRUPT = r"__0_0\.distcp does not match its checksum \(corrupt\)"
+
+
+@pytest.mark.parametrize("segments, named", [
+    (True, CORRUPT + r": bytes \d+\.\.\d+$"),  # Note [segment digests]: the damaged item's byte range
+    (False, CORRUPT + "$"),  # a manifest without segments (older): every file is checked whole
+])
+def test_a_corrupt_file_is_caught_with_and_without_segment_digests(saved, tmp_path, segments, named):
+    path = _copy(saved, tmp_path)
+    if not segments:
+        manifest = _manifest(path)
+        for entry in manifest["files"].values():
+            entry.pop("segments", None)
+        _write_manifest(path, manifest)
+        _step().load(path)  # intact, it loads
+    _flip_middle_byte(path / "__0_0.distcp")
+    with pytest.raises(sl.CheckpointError, match=named):
+        _step().load(path)
+
+
+def test_malformed_segments_are_named(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    manifest = _manifest(path)
+    entry = manifest["files"]["__0_0.distcp"]
+    entry["segments"] = [[0, entry["bytes"] + 1, 0]]
+    _write_manifest(path, manifest)
+    with pytest.raises(sl.CheckpointError, match=r"the segments of '__0_0\.distcp' are not \[start, end, digest\] "
+                                                 r"triples of increasing, non-overlapping ranges within its \d+ bytes"):
         _step().load(path)
 
 

@@ -115,6 +115,12 @@ def group_of(node: torch.fx.Node) -> tuple[str, int] | None:
     return None
 
 
+def over_ranks(node) -> bool:
+    """Whether ``node`` is a collective over more than one rank (one over a single rank stays an identity)."""
+    group = group_of(node) if isinstance(node, torch.fx.Node) else None
+    return group is not None and group[1] > 1
+
+
 def is_effectful(node: torch.fx.Node) -> bool:
     """Whether dead-code elimination must keep ``node`` (collectives, waits, frees, mutations)."""
     if node.op in ("placeholder", "output"):

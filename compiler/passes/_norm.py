@@ -74,7 +74,8 @@ def find_norm(graph: fx.Graph) -> tuple[fx.Node | None, fx.Node | None]:
 
 def norm_flat_order(graph: fx.Graph) -> tuple[str, ...]:
     """The flat parameters of the per-flat squared-norm vector `global_norm` reduced, in its order; () if none."""
-    return next((t.flats for n in graph.nodes if (t := node_tag(n)) is not None and t.norm), ())
+    norm, _ = find_norm(graph)
+    return node_tag(norm).flats if norm is not None else ()
 
 
 def _op(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:

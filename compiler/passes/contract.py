@@ -90,8 +90,3 @@ def order_error(passes) -> str | None:
             established.setdefault(prop, name)
         before.append(name)
     return None
-
-
-def established_by(passes) -> frozenset[GraphProperty]:
-    """Every property the passes establish, together."""
-    return frozenset().union(*(contract_of(p).establishes for p in passes))

@@ -70,5 +70,4 @@ def is_keepable(node: fx.Node) -> bool:
     if not is_new_flat_buffer(node):
         return False
     (user,) = node.users
-    group = collectives.group_of(user)
-    return user.target is collectives.all_reduce and user.args[0] is node and group is not None and group[1] > 1
+    return user.target is collectives.all_reduce and user.args[0] is node and collectives.over_ranks(user)

@@ -64,7 +64,7 @@ def made_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """
     made: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        if node.target is collectives.all_reduce and _over_ranks(node) and is_new_flat_buffer(node.args[0]):
+        if node.target is collectives.all_reduce and collectives.over_ranks(node) and is_new_flat_buffer(node.args[0]):
             made[node] = node.args[0]
         elif node.target is collectives.wait and node.args[0] in made:
             made[node] = node.args[0]
@@ -81,11 +81,5 @@ def _divides_its_reduction(node: fx.Node) -> bool:
     if not isinstance(wait, fx.Node) or wait.target is not collectives.wait or len(wait.users) != 1:
         return False
     issue = wait.args[0]
-    return (issue.target in (collectives.all_reduce, collectives.reduce_scatter) and _over_ranks(issue)
+    return (issue.target in (collectives.all_reduce, collectives.reduce_scatter) and collectives.over_ranks(issue)
             and len(issue.users) == 1)
-
-
-def _over_ranks(node) -> bool:
-    """Whether ``node`` is a collective over more than one rank (one over a single rank stays an identity)."""
-    group = collectives.group_of(node) if isinstance(node, fx.Node) else None
-    return group is not None and group[1] > 1

@@ -52,8 +52,6 @@ class _ChecksummedStream(io.RawIOBase):
         return True
 
     def write(self, data) -> int:
-        if self.raw.tell() != self.size:
-            self.in_order = False
         view = memoryview(data).cast("B")
         written = self.raw.write(view)
         self.digest.update(view[:written])
@@ -75,7 +73,10 @@ class _ChecksummedStream(io.RawIOBase):
             self._segment_start = self.size
 
     def seek(self, offset, whence=io.SEEK_SET) -> int:
-        return self.raw.seek(offset, whence)
+        position = self.raw.seek(offset, whence)
+        if position != self.size:  # a write here would not append: the running digests no longer hold
+            self.in_order = False
+        return position
 
     def seekable(self) -> bool:
         return self.raw.seekable()

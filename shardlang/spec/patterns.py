@@ -54,10 +54,17 @@ class TableKind:
 class PatternRule:
     """What every rule of a pattern table does: match whole names, unpack as the pair it is written as.
 
-    A subclass is an attrs class whose first field is ``pattern`` and whose second is its value.
+    A subclass is an attrs class whose first field is ``pattern`` (declared with `pattern_field`) and whose
+    second is its value; its class attribute ``table`` is its `TableKind`.
     """
 
     __slots__ = ()
+    table: TableKind
+
+    def to_dict(self) -> dict[str, object]:
+        """The plain-dict (TOML) form of a rule whose value is an enum: ``{'pattern': ..., <value key>: ...}``."""
+        pattern, value = self
+        return {"pattern": pattern, self.table.keys[1]: value.value}
 
     def matches(self, name: str) -> bool:
         """Whether the pattern matches all of ``name`` (``*`` crosses dots)."""
@@ -69,6 +76,11 @@ class PatternRule:
     def _repr_pretty_(self, printer: object, cycle: bool) -> None:
         """Show the constructor-call repr in IPython and in Hypothesis's reports too."""
         printer.text(repr(self))  # type: ignore[attr-defined]
+
+
+def pattern_field():
+    """The ``pattern`` field of a `PatternRule`: a non-empty glob, checked with the rule's class named in errors."""
+    return attrs.field(validator=lambda rule, _a, p: checked_pattern(p, type(rule).__name__, rule.table))
 
 
 def checked_pattern(pattern: object, where: str, kind: TableKind) -> str:

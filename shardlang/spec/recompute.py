@@ -25,7 +25,7 @@ from __future__ import annotations
 import attrs
 
 from shardlang.errors import SpecError
-from shardlang.spec.patterns import PatternRule, TableKind, checked_pattern, rule_from_table, to_table
+from shardlang.spec.patterns import PatternRule, TableKind, pattern_field, rule_from_table, to_table
 from shardlang.spec.vocabulary import Recompute
 
 __all__ = ["Recompute", "RecomputeRule", "recompute_rule_from_dict", "to_policy", "to_recompute"]
@@ -67,15 +67,12 @@ class RecomputeRule(PatternRule):
         (True, False)
     """
 
-    pattern: str = attrs.field(validator=lambda _i, _a, p: checked_pattern(p, "RecomputeRule", RECOMPUTE))
+    table = RECOMPUTE  # to_dict: ``{'pattern': 'blocks.*', 'policy': 'full'}``
+    pattern: str = pattern_field()
     policy: Recompute = attrs.field(converter=lambda p: to_policy(p, "RecomputeRule"))
 
     def __repr__(self) -> str:
         return f"RecomputeRule({self.pattern!r}, {self.policy.value!r})"
-
-    def to_dict(self) -> dict[str, object]:
-        """The plain-dict (TOML) form. Example: ``{'pattern': 'blocks.*', 'policy': 'full'}``."""
-        return {"pattern": self.pattern, "policy": self.policy.value}
 
 
 def to_recompute(value: object) -> tuple[RecomputeRule, ...] | None:

@@ -9,14 +9,13 @@ from shardlang.spec import training
 from shardlang.spec.layout import Layout, Replicate, Shard
 from shardlang.spec.options import Options
 from shardlang.spec.strategy import strategy_repr
-from shardlang.spec.units import unit_label
+from shardlang.spec.units import some_names, unit_label
 from shardlang.spec.vocabulary import Recompute
 
 from ..compiler import MeshShape, ParamInfo, Placement, Precision, Scheduling, StepConfig
 
 __all__ = ["ResolvedSpec"]
 
-_SHOWN_NAMES = 12
 
 
 @attrs.frozen
@@ -63,7 +62,7 @@ class ResolvedSpec:
         for p in self.params:
             if p.name == name:
                 return p
-        raise SpecError(f"no parameter named {name!r}; the parameters are {_some([p.name for p in self.params])}")
+        raise SpecError(f"no parameter named {name!r}; the parameters are {some_names([p.name for p in self.params])}")
 
     def describe(self) -> str:
         """A table of every parameter: name, shape, dtype, trainable, unit, layout. Example: ``print(r.describe())``."""
@@ -83,7 +82,3 @@ def _layout_of(placement: Placement) -> Layout:
         return Replicate()
     return Shard(placement.axis, placement.dim)  # type: ignore[arg-type]
 
-
-def _some(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else "")

@@ -22,7 +22,7 @@ import attrs
 
 from shardlang.errors import SpecError
 from shardlang.spec.layout import Layout, Replicate, Shard, layout_from_dict, replicate, shard
-from shardlang.spec.patterns import PatternRule, TableKind, checked_pattern, first_match, rule_from_table, to_table
+from shardlang.spec.patterns import PatternRule, TableKind, first_match, pattern_field, rule_from_table, to_table
 
 __all__ = ["Rule", "first_match", "rule_from_dict", "to_rules"]
 
@@ -63,7 +63,8 @@ class Rule(PatternRule):
         >>> pattern, layout = rule
     """
 
-    pattern: str = attrs.field(validator=lambda _i, _a, p: checked_pattern(p, "Rule", RULES))
+    table = RULES
+    pattern: str = pattern_field()
     layout: Layout = attrs.field(validator=lambda _i, _a, layout: _checked_layout(layout, "Rule"))
 
     def __repr__(self) -> str:

@@ -38,7 +38,7 @@ from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang.spec import training
 from shardlang.spec.recompute import RecomputeRule, recompute_rule_from_dict, to_recompute
 from shardlang.spec.strategy import StrategyRule, strategy_rule_from_dict, to_strategies
-from shardlang.spec.units import ROOT_UNIT, find_units, to_units, unit_label, unit_of
+from shardlang.spec.units import ROOT_UNIT, find_units, some_names, to_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,7 +48,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["Options", "ResolvedSpec", "Spec"]
 
 _SPEC_KEYS = ("mesh", "rules", "units", "strategies", "recompute", "options", "param_groups")
-_SHOWN_NAMES = 12
 def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
     if not isinstance(mesh, Mesh):
         raise SpecError(f"Spec mesh is {mesh!r}; it must be a Mesh, e.g. Mesh(fsdp=4) or Mesh(fsdp=-1)")
@@ -270,7 +269,7 @@ class Spec:
             return
         i, _, first = failures[0]
         others = [name for _, name, _ in failures[1:]]
-        also = f"; {len(others)} more parameters ask for dims they lack: {_some(others)}" if others else ""
+        also = f"; {len(others)} more parameters ask for dims they lack: {some_names(others)}" if others else ""
         raise SpecError(f"rules[{i}] = {self.rules[i]!r}: {first}{also}")
 
     def _check_every_param_matches(self, named: list, winners: list[int | None]) -> None:
@@ -279,7 +278,7 @@ class Spec:
             what = "parameter" if len(missing) == 1 else f"{len(missing)} parameters"
             verb = "matches" if len(missing) == 1 else "match"
             raise SpecError(
-                f"{what} {_some(missing)} {verb} no rule; every parameter must match one. The rules are "
+                f"{what} {some_names(missing)} {verb} no rule; every parameter must match one. The rules are "
                 f"{list(self.rules)}; add a rule for them, or end with a catch-all such as "
                 f"('*', shard({self.mesh.axis_names[-1]!r}))"
             )
@@ -294,11 +293,11 @@ class Spec:
             if not matched:
                 raise SpecError(
                     f"rules[{i}] = {rule!r} matches no parameter; patterns match whole parameter names, "
-                    f"such as {_some(names) or '(the model has no parameters)'}"
+                    f"such as {some_names(names) or '(the model has no parameters)'}"
                 )
             earlier = sorted({first_match(self.rules, name) for name in matched})
             raise SpecError(
-                f"rules[{i}] = {rule!r} decides no parameter: every one it matches ({_some(matched)}) "
+                f"rules[{i}] = {rule!r} decides no parameter: every one it matches ({some_names(matched)}) "
                 f"is taken by an earlier rule ({', '.join(f'rules[{j}] = {self.rules[j]!r}' for j in earlier)}); "
                 "the first match wins, so move it before them or remove it"
             )
@@ -306,10 +305,6 @@ class Spec:
 
 # -- helpers --------------------------------------------------------------------------------------
 
-
-def _some(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else "")
 
 
 @contextlib.contextmanager
@@ -364,12 +359,12 @@ def _first_rule_per_unit(rules, field: str, units: frozenset[str]) -> dict[str, 
         if not matched:
             raise SpecError(
                 f"{field}[{i}] = {rule!r} matches no unit; {_RULE_NOUN[field]} "
-                f"patterns match whole unit names such as {_some([unit_label(u) for u in labels])} "
+                f"patterns match whole unit names such as {some_names([unit_label(u) for u in labels])} "
                 "(units are modules; see units=)"
             )
         earlier = sorted({winners[u] for u in labels if unit_label(u) in matched})
         raise SpecError(
-            f"{field}[{i}] = {rule!r} decides no unit: every one it matches ({_some(matched)}) is taken by "
+            f"{field}[{i}] = {rule!r} decides no unit: every one it matches ({some_names(matched)}) is taken by "
             f"an earlier rule ({', '.join(f'{field}[{j}] = {rules[j]!r}' for j in earlier)}); "
             "the first match wins, so move it before them or remove it"
         )

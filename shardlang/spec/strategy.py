@@ -29,7 +29,7 @@ from __future__ import annotations
 import attrs
 
 from shardlang.errors import SpecError
-from shardlang.spec.patterns import PatternRule, TableKind, checked_pattern, rule_from_table, to_table
+from shardlang.spec.patterns import PatternRule, TableKind, pattern_field, rule_from_table, to_table
 from shardlang.spec.vocabulary import Strategy
 
 __all__ = ["DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3", "strategy_rule_from_dict", "to_strategies",
@@ -90,15 +90,12 @@ class StrategyRule(PatternRule):
         (True, False)
     """
 
-    pattern: str = attrs.field(validator=lambda _i, _a, p: checked_pattern(p, "StrategyRule", STRATEGIES))
+    table = STRATEGIES  # to_dict: ``{'pattern': 'blocks.*', 'strategy': 'zero2'}``
+    pattern: str = pattern_field()
     strategy: Strategy = attrs.field(converter=lambda s: to_strategy(s, "StrategyRule"))
 
     def __repr__(self) -> str:
         return f"StrategyRule({self.pattern!r}, {strategy_repr(self.strategy)})"
-
-    def to_dict(self) -> dict[str, object]:
-        """The plain-dict (TOML) form. Example: ``{'pattern': 'blocks.*', 'strategy': 'zero2'}``."""
-        return {"pattern": self.pattern, "strategy": self.strategy.value}
 
 
 def strategy_repr(strategy: Strategy) -> str:

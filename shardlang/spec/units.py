@@ -107,7 +107,8 @@ def _in_module_order(model: nn.Module, units: Collection[str]) -> tuple[str, ...
     return tuple(name for name, _ in model.named_modules() if name in units)
 
 
-def _some_names(names: Sequence[str]) -> str:
+def some_names(names: Sequence[str]) -> str:
+    """The first names, quoted, and how many there are in all when there are more: for error messages."""
     shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
     more = f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else ""
     return shown + more
@@ -130,7 +131,7 @@ def find_units(model: nn.Module, patterns: Sequence[str] | None, source: str = "
         if not matched:
             raise SpecError(
                 f"{source}[{i}] = {pattern!r} matches no module of the model ({type(model).__name__}); "
-                f"patterns match whole module names, such as {_some_names(names) or '(it has no submodules)'}"
+                f"patterns match whole module names, such as {some_names(names) or '(it has no submodules)'}"
             )
         for name in _outermost(matched):
             if name in picked_by:  # nested units are fine; the same module twice is a spec that says two things
