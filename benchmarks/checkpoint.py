@@ -82,13 +82,18 @@ def _fsdp_state(trainer) -> dict:
             "optimizer": get_optimizer_state_dict(trainer.module, trainer.optimizer)}
 
 
-def measure_rank(ctx, size: str, root: str, steps: int, repeats: int, partial: str | None = None) -> dict:
+def measure_rank(ctx, size: str, root: str, steps: int, repeats: int, partial: str | None = None,
+                 checkpointer: str = "thread") -> dict:
     """One rank: build both systems, warm up, then time save, load and async save for each.
+
+    ``checkpointer`` is DCP's for both systems' async saves: a thread, or a process per rank (the first
+    async save starts it, and the median of the repeats leaves that out when there are three or more).
 
     Rank 0 writes what it has so far to ``partial`` after each system (a run killed midway keeps it).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     spec = RunSpec(SIZES[size], ("shardlang", "fsdp2"), ctx.world_size, warmup=1, steps=steps)
     batches = spec.batches(ctx.rank)
@@ -127,10 +132,11 @@ def measure_rank(ctx, size: str, root: str, steps: int, repeats: int, partial: s
 
             def start():
                 if mode == "shardlang":
-                    pending.append(trainer.step_fn.save_async(apath))
+                    pending.append(trainer.step_fn.save_async(apath, checkpointer=checkpointer))
                 else:
                     pending.append(dcp.async_save(_fsdp_state(trainer), checkpoint_id=str(apath),
-                                                  process_group=async_group))
+                                                  process_group=async_group,
+                                                  async_checkpointer_type=AsyncCheckpointerType(checkpointer)))
 
             result["async_call_s"].append(_barrier_time(start))
             result["async_steps_s"].append(statistics.mean(_steps(trainer, batches, steps)))
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="training steps per timing of the async overhead")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpointer", choices=("thread", "process"), default="thread",
+                        help="who writes both systems' async saves: a thread of each rank, or DCP's process per rank")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -163,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with WorkerPool(args.world, timeout=TIMEOUT_S, threads=1) as pool:
         partial = str(Path(args.out).with_suffix(".partial.json")) if args.out else None
-        per_rank = pool.run(measure_rank, args.size, str(root), args.steps, args.repeats, partial)
+        per_rank = pool.run(measure_rank, args.size, str(root), args.steps, args.repeats, partial, args.checkpointer)
     result = {"size": args.size, "world": args.world, "steps": args.steps, "repeats": args.repeats,
+              "checkpointer": args.checkpointer,
               "loadavg": os.getloadavg()[0], "wall_s": time.perf_counter() - started, "modes": per_rank[0]}
     print(report(result))
     if args.out:
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict) -> str:
     """The results as a Markdown table (medians over the repeats)."""
-    lines = [f"{result['size']} GPT, N={result['world']}, medians of {result['repeats']} (load average "
+    lines = [f"{result['size']} GPT, N={result['world']}, async saves by a {result.get('checkpointer', 'thread')}, "
+             f"medians of {result['repeats']} (load average "
              f"{result['loadavg']:.1f} at the end)", "",
              "| system | save | load | async call | step with async save in flight | step without | overhead | "
              "bytes on disk |", "|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ and trains the same k more (global batches k..2k-1, whatever the world size).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -75,8 +76,8 @@ def train_save_continue(ctx, cases: list[dict]) -> list[dict]:
         step, case, dt = compile_case(ctx, c)
         k = c.get("steps", 2)
         first = _train(ctx, step, case, dt, 0, k)
-        if c.get("async"):
-            pending = step.save_async(c["path"])
+        if c.get("async"):  # True, or the checkpointer's name
+            pending = step.save_async(c["path"], checkpointer=c["async"] if isinstance(c["async"], str) else "thread")
             second = _train(ctx, step, case, dt, k, 2 * k)  # training goes on while the checkpoint is written
             pending.wait()
         else:
@@ -108,6 +109,13 @@ def load_error(ctx, c: dict) -> str:
     except sl.CheckpointError as exc:
         return str(exc)
     return "no error"
+
+
+def load_params(ctx, c: dict) -> dict:
+    """A perturbed step loads ``path``; its full parameters."""
+    step, _, _ = compile_case(ctx, c, perturbed=True)
+    step.load(c["path"])
+    return step.full_parameters()
 
 
 def save_only(ctx, c: dict) -> dict:
@@ -162,3 +170,29 @@ def fsdp_run(ctx, c: dict, save: bool) -> dict:
         losses = train(k, 2 * k)
     return {"losses": losses, "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
             "step": float(next(iter(opt.state.values()))["step"])}
+
+
+def save_twice(ctx, c: dict) -> dict:
+    """Save, train a step, save again with the same step (its cached plan), async by ``c["async"]`` when given.
+
+    Returns each save's files as the manifest lists them, the files left in the directories, whether this
+    process's DCP plan cache holds this step's plan (a checkpointer process caches it in its own), and the
+    parameters at each save.
+    """
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from shardlang.checkpoint import store
+    from shardlang.checkpoint.background import Saves
+
+    step, case, dt = compile_case(ctx, c)
+    out: dict = {"params": [], "manifests": [], "listed": []}
+    for k, path in enumerate((c["path"] + "-a", c["path"] + "-b")):
+        _train(ctx, step, case, dt, k, k + 1)
+        out["params"].append(step.full_parameters())
+        if c.get("async"):
+            step.save_async(path, checkpointer=c["async"]).wait()
+        else:
+            step.save(path)
+        out["manifests"].append(store.read_manifest(Path(path))["files"])
+        out["listed"].append(sorted(p.name for p in Path(path).iterdir()))
+    out["cached"] = Saves.of(step).plan_key in SavePlanner._cached_final_save_plan  # every rank's, after a save
+    return out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint_workers as w
+from shardlang.checkpoint import store
 from shardlang.checkpoint.layout import Chunk, range_chunks
 
 ZERO = {"mesh": {"fsdp": -1}}
@@ -37,10 +38,15 @@ def _with_paths(cases, root):
     return [{**c, "path": str(root / str(i))} for i, c in enumerate(cases)]
 
 
+# DCP's checkpointer process needs a process group: N > 1 only.
+PROCESS_CASE = {"case": "gpt_tiny", "dtype": "float32", "spec": ZERO, "async": "process"}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_resume_is_exact(run_on, tmp_path, world_size):
-    cases = _with_paths(RESUME_CASES + ([{"case": "mlp_dropout", "spec": HYBRID}] if world_size == 4 else []),
-                        tmp_path)
+    extra = ([PROCESS_CASE] if world_size > 1 else []) + ([{"case": "mlp_dropout", "spec": HYBRID}] if world_size == 4
+                                                           else [])
+    cases = _with_paths(RESUME_CASES + extra, tmp_path)
     uninterrupted = run_on(world_size, w.train_save_continue, cases)
     resumed = run_on(world_size, w.load_continue, cases)
     for rank in range(world_size):
@@ -102,3 +108,25 @@ def test_range_chunks_of_a_row_and_a_scalar():
     assert range_chunks((3, 4), 4, 12) == [Chunk((1, 0), (2, 4))]
     assert range_chunks((), 0, 1) == [Chunk((), ())]
     assert range_chunks((5,), 3, 3) == []
+
+
+@pytest.mark.parametrize("world_size, checkpointer", [(1, None), (2, "thread"), (2, "process"), (4, None)])
+def test_a_steps_saves_share_one_plan_and_each_holds_the_state_it_was_saved_with(run_on, tmp_path, world_size,
+                                                                                 checkpointer):
+    """DCP's plan cache serves a step's second save (Note [cached save plans]); each checkpoint still loads the
+    state of its own moment, and a checkpointer process's digests reach the manifest and leave no file."""
+    case = {"case": "prime", "dtype": "float64", "spec": ZERO, "path": str(tmp_path / "ckpt")}
+    if checkpointer:
+        case["async"] = checkpointer
+    saved = run_on(world_size, w.save_twice, case)
+    first = saved[0]
+    assert all(r["cached"] for r in saved) == (checkpointer != "process")
+    for files, listed in zip(first["manifests"], first["listed"]):
+        assert sorted(files) == [n for n in listed if n != store.MANIFEST]  # no digests file left behind
+        data = [n for n in files if n.endswith(".distcp")]
+        assert data and all("segments" in files[n] for n in data)  # digested as written, item by item
+    assert any(not torch.equal(a, first["params"][1][n]) for n, a in first["params"][0].items())
+    for k in range(2):
+        loaded = run_on(world_size, w.load_params, {**case, "path": f"{case['path']}-{'ab'[k]}"})[0]
+        for name, value in first["params"][k].items():
+            assert torch.equal(loaded[name], value), (k, name)

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,26 @@ def test_a_full_disk_names_enospc_and_leaves_no_tmp(tmp_path, monkeypatch):
         step.save(tmp_path / "step-00000002")
     assert "step-00000002.tmp was removed" in str(caught.value)
     assert _names(tmp_path) == ["step-00000001"]
+
+
+def test_async_saves_by_a_checkpointer_process_resume_like_any_other(tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    job = str(EXAMPLES / "mlp.py")
+    common = [job, "--nproc", "2", "--checkpoint-dir", str(ckpt)]
+    assert main(["run", *common, "--steps", "4"]) == 0
+    uninterrupted = _losses(capfd.readouterr().out)
+    assert list(uninterrupted) == ["1/4", "2/4", "3/4", "4/4"]
+    shutil.rmtree(ckpt)
+    assert main(["run", *common, "--steps", "2", "--async-save", "process"]) == 0
+    assert "checkpoint writing: " + str(ckpt / "step-00000002") in capfd.readouterr().out
+    assert main(["run", *common, "--steps", "4", "--resume"]) == 0
+    resumed = _losses(capfd.readouterr().out)
+    assert resumed == {k: v for k, v in uninterrupted.items() if k in ("3/4", "4/4")}
+
+
+def test_a_checkpointer_process_in_a_world_of_one_is_refused_before_compiling(tmp_path, capfd):
+    assert main(["run", str(EXAMPLES / "mlp.py"), "--nproc", "1", "--steps", "1", "--checkpoint-dir",
+                 str(tmp_path / "c"), "--async-save", "process"]) != 0
+    out, err = capfd.readouterr()
+    assert "the process checkpointer needs a process group" in err and "--async-save without a value" in err
+    assert "compiled in" not in out + err and not any((tmp_path / "c").glob("step-*"))

@@ -5,6 +5,7 @@
 - `state_dict`: the keys FSDP2 users have, plus shardlang's own (Note [checkpoint keys]).
 - `store`: atomic directories, checksums, the latest complete checkpoint, pruning (Note [atomic checkpoints]).
 - `saving`: `save`, `save_async`, `load`.
+- `background`: async saves on DCP's ``async_save`` (Note [async saves]).
 - `export`: a checkpoint as safetensors, tensor by tensor.
 
 Example::
@@ -15,7 +16,7 @@ Example::
 
 import importlib
 
-__all__ = ["AsyncSave", "CheckpointDir", "Restored", "load", "save", "save_async", "wait_for_saves"]
+__all__ = ["AsyncSave", "Checkpointer", "CheckpointDir", "Restored", "load", "save", "save_async", "wait_for_saves"]
 
 #: Where each public name lives. Imported on first use: torch.distributed.checkpoint takes 1.4 s to import,
 #: and every ``import shardlang`` reaches this package (`shardlang.step.step` reads `state_dict`'s key names).

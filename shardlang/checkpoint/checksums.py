@@ -14,6 +14,12 @@ every file twice. A file written out of order (a
 seek back) is not trusted: it is checksummed again from disk, as is any file
 the writer did not write itself.
 
+Note [digests across processes]: with DCP's process checkpointer the writer is
+pickled into a process of its own, so the digests it computes never reach the
+trainer's copy. Given ``digests_file=True``, the writer also leaves them in
+``.digests.<rank>.json`` in the checkpoint's temporary directory, for
+`store.publish` (in the trainer) to read and remove before the manifest.
+
 Example::
 
     writer = ChecksummingWriter(tmp, thread_count=2)
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import threading
 from pathlib import Path
 
@@ -32,7 +39,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .store import DIGEST, SEGMENTS
+from .store import DIGEST, SEGMENTS, WRITER_DIGESTS
 
 
 class _ChecksummedStream(io.RawIOBase):
@@ -96,6 +103,13 @@ class _ChecksummingFileSystem(FileSystem):
         self.checksums: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # to DCP's checkpointer process (Note [digests across processes])
+        return {"checksums": self.checksums}
+
+    def __setstate__(self, state: dict) -> None:
+        self.checksums = state["checksums"]
+        self._lock = threading.Lock()
+
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
         if "w" not in mode:
@@ -123,12 +137,42 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """`FileSystemWriter` that knows each file's size and digest once written (`checksums`)."""
+    """`FileSystemWriter` that knows each file's size and digest once written (`checksums`).
 
-    def __init__(self, path, **kwargs):
+    With ``digests_file``, each rank also writes them to `digests_path` (Note [digests across processes]).
+    """
+
+    def __init__(self, path, *, digests_file: bool = False, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _ChecksummingFileSystem()
+        self.digests_file = digests_file
 
     @property
     def checksums(self) -> dict[str, dict[str, int]]:
         return dict(self.fs.checksums)
+
+    def written_digests(self, rank: int) -> dict[str, dict[str, int]]:
+        """Rank ``rank``'s digests: computed here, or left by a checkpointer process (`digests_path`)."""
+        return take_digests(Path(self.path), rank) if self.digests_file else self.checksums
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)  # DCP's writer threads are done when it returns
+        if self.digests_file:
+            digests_path(Path(self.path), self.rank or 0).write_text(json.dumps(self.checksums))
+        return written
+
+
+def digests_path(directory: Path, rank: int) -> Path:
+    """Where rank ``rank``'s writer leaves its digests (Note [digests across processes])."""
+    return directory / f"{WRITER_DIGESTS}{rank}.json"
+
+
+def take_digests(directory: Path, rank: int) -> dict[str, dict[str, int]]:
+    """The digests rank ``rank``'s writer left in ``directory``, removing their file; {} when there is none."""
+    path = digests_path(directory, rank)
+    try:
+        digests = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    path.unlink()
+    return digests

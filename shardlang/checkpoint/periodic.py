@@ -24,15 +24,16 @@ from .store import CheckpointDir, run_of
 class Periodic:
     """Save ``step`` into ``directory`` after every ``every`` steps and after the last; keep the newest ``keep``.
 
-    With ``asynchronous``, saves are written in the background (`save_async`); a save still
-    in flight is waited for before the next one and by `finish`.
+    With ``asynchronous``, saves are written in the background (`save_async`, by ``checkpointer``); a
+    save still in flight is waited for before the next one and by `finish`.
     """
 
     def __init__(self, directory: CheckpointDir, every: int | None, asynchronous: bool = False,
-                 overwrite: bool = False):
+                 overwrite: bool = False, checkpointer: str = "thread"):
         self.directory = directory
         self.every = every
         self.asynchronous = asynchronous
+        self.checkpointer = checkpointer
         self.overwrite = overwrite  # remove other runs' checkpoints once this run has one of its own
         self.pending: saving.AsyncSave | None = None
         self.saved: list[Path] = []
@@ -65,7 +66,7 @@ class Periodic:
             self.directory.remove_unfinished()
         run = self.directory.run_id
         if self.asynchronous:
-            self.pending = save_async(step, path, data_position=steps_done, run=run)
+            self.pending = save_async(step, path, data_position=steps_done, run=run, checkpointer=self.checkpointer)
         else:
             save(step, path, data_position=steps_done, run=run)
             self._done(step, path)

@@ -9,6 +9,13 @@ resharding (`create_read_items_for_chunk_list`) for the reads that fill the
 chunks this rank holds, whatever chunks the checkpoint was written in, and DCP
 copies straight into views of the rank's storage.
 
+Note [cached save plans]: a step's checkpoints all have the same keys, chunks
+and files, so the save plan is computed and agreed on (a gather and a scatter
+of every rank's items) once per step: its saves pass DCP's plan cache a key of
+their own, a rank whose plan is unchanged sends an empty plan, and the
+coordinator reuses the agreed global plan and metadata. A step built anew (a
+new layout) gets a new key.
+
 The load planner is strict where DCP's default is terse or silent: a missing
 key, a shape or dtype that differs, a value that is a tensor in one and not
 in the other, or chunks that do not cover what this rank needs are each a
@@ -23,6 +30,7 @@ import math
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
@@ -31,7 +39,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner, TensorWriteData, WriteItem, \
+    WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, \
     create_read_items_for_chunk_list
 
@@ -43,7 +52,15 @@ SHOWN_KEYS = 6  # keys an error lists before "... (N in all)"
 
 
 class EntrySavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, plus `Entry` leaves written chunk by chunk (each rank its own chunks)."""
+    """DCP's default save planner, plus `Entry` leaves written chunk by chunk (each rank its own chunks).
+
+    With a ``cache_key``, DCP's plan caching is on under that key (Note [cached save plans]).
+    """
+
+    def __init__(self, cache_key: str | None = None):
+        super().__init__(enable_plan_caching=cache_key is not None)
+        if cache_key is not None:
+            self._cached_plans_key = cache_key
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
@@ -64,6 +81,16 @@ class EntrySavePlanner(DefaultSavePlanner):
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
+        if self._enable_plan_caching:
+            return self._unless_cached(plan)
+        return plan
+
+    def _unless_cached(self, plan: SavePlan) -> SavePlan:
+        """As DCP's default planner caches: a plan equal to the last one is not sent; DCP reuses the cached one."""
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if cached is not None and _compare_save_plans(plan, cached):
+            return SavePlan([], usable=False)
+        self._pending_local_plan = plan  # promoted to the cache by `finish_plan` once the global plan succeeded
         return plan
 
     def lookup_object(self, index: MetadataIndex):

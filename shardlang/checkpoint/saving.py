@@ -2,10 +2,9 @@
 
 `save` builds the state dict of Note [checkpoint keys] over the step's own
 storage (views, no copies), writes it with ``dcp.save`` into a temporary
-directory and publishes it (Note [atomic checkpoints]). `save_async` first
-snapshots the state (one copy of the rank's tensors, on the calling thread,
-between two steps), then writes and publishes the snapshot on a background
-thread over a gloo group of its own, so training goes on meanwhile. `load`
+directory and publishes it (Note [atomic checkpoints]). `save_async` hands the
+same state dict to ``dcp.async_save``, which stages a copy between two steps
+and writes it while training goes on (Note [async saves] in `background`). `load`
 checks the files and the keys, then lets DCP read each rank's chunks straight
 into its storage, resharding from whatever layout and world size wrote them.
 
@@ -32,22 +31,21 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
+import functools
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import attrs
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compiler import hyper_name
 from ..errors import CheckpointError
-from . import store
+from . import background, store
+from .background import AsyncSave, Checkpointer, Saves, wait_for_saves
 from .checksums import ChecksummingWriter
 from .planner import EntryLoadPlanner, EntrySavePlanner
 from .untrusted import SafeReader
@@ -75,32 +73,13 @@ class Restored:
     foreign: bool
 
 
-@attrs.frozen(eq=False)
-class _Snapshot:
-    """A copy of a rank's state tensors in CPU memory, for a save that runs while training goes on."""
-
-    flat_tensors: list
-    optimizer_state: list
-    step_count: torch.Tensor
-    buffers: list
-    buffer_names: list
-
-    @classmethod
-    def of(cls, state) -> _Snapshot:
-        def copy(ts):
-            return [t.detach().to("cpu", copy=True) for t in ts]
-
-        return cls(copy(state.flat_tensors), copy(state.optimizer_state), state.step_count.to("cpu", copy=True),
-                   copy(state.buffers), list(state.buffer_names))
-
-
-def state_dict(step, data_position: int | None = None, snapshot=None) -> dict:
-    """The state dict `save` writes (Note [checkpoint keys]); over ``snapshot`` when given."""
+def state_dict(step, data_position: int | None = None) -> dict:
+    """The state dict `save` writes (Note [checkpoint keys]): views of the step's own storage."""
     position = step.steps_done if data_position is None else data_position
     return {
-        "model": model_entries(step, snapshot=snapshot),
-        "optimizer": {"state": optimizer_entries(step, snapshot=snapshot), "param_groups": param_groups(step)},
-        "shardlang": own_entries(step, position, snapshot=snapshot),
+        "model": model_entries(step),
+        "optimizer": {"state": optimizer_entries(step), "param_groups": param_groups(step)},
+        "shardlang": own_entries(step, position),
     }
 
 
@@ -110,68 +89,43 @@ def save(step, path, *, data_position: int | None = None, run: str | None = None
     ``data_position`` is the job's position in its data (default: the steps done); ``run`` the id of
     the run that saves, recorded in the manifest (Note [replacing a checkpoint] in `store`).
     """
-    path = Path(path)
-    _write(state_dict(step, data_position), path, step.dist, None, run)
-    return path
+    path, ctx = Path(path), step.dist
+    sd = state_dict(step, data_position)
+    tmp = store.prepare(path, ctx.rank, ctx.world_size, None)
+    writer = ChecksummingWriter(str(tmp), thread_count=WRITER_THREADS)
+
+    def upload():
+        background.single_process_is_intended(ctx)
+        dcp.save(sd, storage_writer=writer, planner=EntrySavePlanner(Saves.of(step).plan_key),
+                     no_dist=not ctx.has_process_group)
+
+    return _publish(upload, path, tmp, writer, None, ctx=ctx, record=_record(sd, ctx, run))
 
 
-class AsyncSave:
-    """A checkpoint being written on a background thread. ``wait()`` returns its path (or raises its error)."""
+def save_async(step, path, *, data_position: int | None = None, run: str | None = None,
+               checkpointer: Checkpointer | str = Checkpointer.THREAD) -> AsyncSave:
+    """Stage ``step``'s state now and write it in the background (a collective, as `save`; Note [async saves]).
 
-    def __init__(self, future: concurrent.futures.Future, path: Path):
-        self._future = future
-        self.path = path
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> Path:
-        return self._future.result()
-
-
-class _Writer:
-    """One background thread and one gloo group per step for async saves; one save in flight at a time."""
-
-    def __init__(self, ctx):
-        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlang-ckpt")
-        self.pending: AsyncSave | None = None
-
-
-def save_async(step, path, *, data_position: int | None = None, run: str | None = None) -> AsyncSave:
-    """Snapshot ``step``'s state now and write it in the background (a collective, as `save`).
-
-    A save still in flight is waited for first, so at most one snapshot is held.
+    ``checkpointer`` is ``"thread"`` or ``"process"`` (DCP's checkpointer process per rank). A save
+    still in flight is waited for first, so one staged copy of the state serves every save.
     """
-    writer = step.__dict__.get("_checkpoint_writer")
-    if writer is None:
-        writer = step._checkpoint_writer = _Writer(step.dist)
-    if writer.pending is not None:
-        writer.pending.wait()
-    path = Path(path)
-    sd = state_dict(step, data_position, snapshot=_Snapshot.of(step.state))
-    future = writer.executor.submit(_write, sd, path, step.dist, writer.group, run)
-    writer.pending = AsyncSave(future, path)
-    return writer.pending
+    checkpointer = Checkpointer.parse(checkpointer)
+    path, ctx = Path(path), step.dist
+    sd = state_dict(step, data_position)
+    return background.save_async(step, sd, path, checkpointer, threads=WRITER_THREADS,
+                                 publish=functools.partial(_publish, ctx=ctx, record=_record(sd, ctx, run)))
 
 
-def wait_for_saves(step) -> None:
-    """Wait for ``step``'s async save in flight, if any (before exiting, or before reading the directory)."""
-    writer = step.__dict__.get("_checkpoint_writer")
-    if writer is not None and writer.pending is not None:
-        writer.pending.wait()
+def _record(sd: dict, ctx, run: str | None) -> dict:
+    """What the manifest says of the save besides its files."""
+    return {"steps": json.loads(sd["shardlang"]["meta"])["steps"], "world_size": ctx.world_size, "run": run}
 
 
-def _write(sd: dict, path: Path, ctx, group, run: str | None = None) -> Path:
-    tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
-    record = json.loads(sd["shardlang"]["meta"])
+def _publish(upload, path: Path, tmp: Path, writer: ChecksummingWriter, group, *, ctx, record: dict) -> Path:
+    """Wait for ``upload`` (DCP's write of ``tmp``), then publish ``path`` (Note [atomic checkpoints])."""
     try:
-        writer = ChecksummingWriter(str(tmp), thread_count=WRITER_THREADS)
-        with _quiet(ctx):
-            dcp.save(sd, storage_writer=writer, planner=EntrySavePlanner(),
-                     process_group=group, no_dist=not ctx.has_process_group)
-        store.publish(path, ctx.rank, ctx.world_size, group,
-                      {"steps": record["steps"], "world_size": ctx.world_size, "run": run}, writer.checksums)
+        upload()
+        store.publish(path, ctx.rank, ctx.world_size, group, record, writer.written_digests(ctx.rank))
     except Exception as exc:  # nothing half-written stays behind; the previous checkpoint is untouched
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,9 +197,9 @@ def load(step, path) -> Restored:
         checking = pool.submit(store.damaged_files, path, whole, ctx.rank, ctx.world_size) if own else None
         failure = None
         try:
-            with _quiet(ctx):
-                dcp.load(target, storage_reader=reader, planner=EntryLoadPlanner(str(path), frozenset(optional)),
-                         no_dist=not ctx.has_process_group)
+            background.single_process_is_intended(ctx)
+            dcp.load(target, storage_reader=reader, planner=EntryLoadPlanner(str(path), frozenset(optional)),
+                     no_dist=not ctx.has_process_group)
         except CheckpointException as exc:
             failure = _unwrap(exc, path)
         except CheckpointError as exc:  # every rank still takes part in the agreement below
@@ -359,16 +313,6 @@ def _few(names) -> str:
     return "[" + ", ".join(repr(n) for n in names[:4]) + (f", ... ({len(names)} in all)]" if len(names) > 4 else "]")
 
 
-def _quiet(ctx):
-    """Without a process group DCP warns that it assumes one process; that is the intent here."""
-    if ctx.has_process_group:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-    return stack
-
-
 def _failures(exc: CheckpointException) -> list[tuple[int, BaseException]]:
     """(rank, exception) for every rank DCP reports failed; its failures are (exception, stack) pairs."""
     failures = getattr(exc, "failures", {}) or {}
@@ -389,4 +333,5 @@ def _unwrap(exc: CheckpointException, path: Path) -> CheckpointError:
     return CheckpointError(f"reading checkpoint {path} failed: {_first_failure(exc)}", path=path)
 
 
-__all__ = ["AsyncSave", "Restored", "load", "meta", "save", "save_async", "state_dict", "wait_for_saves"]
+__all__ = ["AsyncSave", "Checkpointer", "Restored", "load", "meta", "save", "save_async", "state_dict",
+           "wait_for_saves"]

@@ -64,9 +64,9 @@ class ModelNames:
         return cls(tuple(m.name for f in flats for m in f.members), {}, tuple(buffer_names))
 
 
-def model_entries(step, *, snapshot=None) -> dict[str, object]:
-    """``model.<name>`` for every parameter (as `Entry`) and persistent buffer; ``snapshot`` replaces the state."""
-    state = snapshot or step.state
+def model_entries(step) -> dict[str, object]:
+    """``model.<name>`` for every parameter (as `Entry`) and persistent buffer."""
+    state = step.state
     entries: dict[str, object] = {}
     for flat, storage in zip(step.compiled.flats, state.flat_tensors):
         coordinate = _coordinate(step, flat)
@@ -82,9 +82,9 @@ def model_entries(step, *, snapshot=None) -> dict[str, object]:
     return entries
 
 
-def optimizer_entries(step, *, snapshot=None) -> dict[str, dict[str, object]]:
+def optimizer_entries(step) -> dict[str, dict[str, object]]:
     """``optimizer.state``: per trainable parameter, its optimizer state (as `Entry`) and, for Adam, ``step``."""
-    state = snapshot or step.state
+    state = step.state
     optimizer = step.compiled.traced.optimizer
     out: dict[str, dict[str, object]] = {}
     tensors = iter(state.optimizer_state)
@@ -135,9 +135,9 @@ def _torch_group(opt) -> dict[str, object]:
     return {k: v for k, v in torch_opt.param_groups[0].items() if k != "params"}
 
 
-def own_entries(step, data_position: int, *, snapshot=None) -> dict[str, object]:
+def own_entries(step, data_position: int) -> dict[str, object]:
     """shardlang's own keys (Note [checkpoint keys]), as a nested dict under ``shardlang``."""
-    state = snapshot or step.state
+    state = step.state
     own: dict[str, object] = {"step_count": state.step_count, "data_position": int(data_position),
                               "meta": json.dumps(meta(step), sort_keys=True)}
     if step.lr_schedule is not None:

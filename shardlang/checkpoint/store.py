@@ -84,9 +84,15 @@ def crc32_of(file: Path) -> int:
     return crc
 
 
+#: The files a checkpointer process leaves its digests in (Note [digests across processes] in `checksums`):
+#: read and removed before the manifest is written, never part of a checkpoint.
+WRITER_DIGESTS = ".digests."
+
+
 def own_files(directory: Path, rank: int, world: int) -> list[Path]:
     """The files of ``directory`` this rank checksums: DCP's ``__<rank>_*`` files; rank 0 also the rest."""
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    files = sorted(p for p in directory.iterdir()
+                   if p.is_file() and p.name != MANIFEST and not p.name.startswith(WRITER_DIGESTS))
     if world == 1:
         return files
     mine = [p for p in files if p.name.startswith(f"__{rank}_")]

@@ -88,15 +88,24 @@ class SafeReader(FileSystemReader):
     Given the manifest's ``files``, it checks the bytes it reads against their digests: ``.metadata``
     whole, and each item by the file's segments (Note [segment digests] in `checksums`). A file whose
     read ranges its segments do not tile is named in ``unverified``, for its caller to check whole.
+    The metadata is read once: its caller checks keys against it before DCP asks for it again.
     """
 
     def __init__(self, path: str, files: dict | None = None):
         super().__init__(path)
         self.files = files or {}
         self.unverified: set[str] = set()
+        self._metadata: dict[Any, Metadata] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
+        if rank not in self._metadata:  # unpickling it is a tenth of a 100M load
+            self._metadata[rank] = self._read_metadata(rank)
+        metadata = self._metadata[rank]
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_metadata(self, rank) -> Metadata:
         path = Path(self._get_metadata_path(rank))
         try:
             with open(path, "rb") as file:
@@ -115,7 +124,6 @@ class SafeReader(FileSystemReader):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", path=path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 

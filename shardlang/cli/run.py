@@ -113,8 +113,9 @@ def add_parser(subparsers) -> None:
     saving.add_argument("--keep", metavar="N", type=positive("a number of checkpoints"), default=None,
                         help="keep only the newest N checkpoints of this run in --checkpoint-dir (default: all); "
                              "never the one just saved, never another run's")
-    saving.add_argument("--async-save", action="store_true",
-                        help="write checkpoints in the background while training goes on")
+    saving.add_argument("--async-save", nargs="?", const="thread", default=None, choices=("thread", "process"),
+                        help="write checkpoints in the background while training goes on, by a thread of each "
+                             "rank (the default) or by a process of its own per rank (--async-save process)")
     parser.set_defaults(command=main)
 
 
@@ -142,7 +143,7 @@ class Checkpointing:
     every: int | None = None
     resume: bool = False
     keep: int | None = None
-    asynchronous: bool = False
+    asynchronous: str | None = None  # the checkpointer of async saves: "thread" or "process"
     overwrite: bool = False
     run_id: str | None = None  # recorded in each manifest; --keep prunes by it (Note [replacing a checkpoint])
 
@@ -151,7 +152,7 @@ class Checkpointing:
         """The flags, checked before anything compiles: the directory can hold checkpoints, and a fresh run does
         not mix with another run's checkpoints unless told to."""
         flags = {"--checkpoint-every": args.checkpoint_every, "--resume": args.resume or None,
-                 "--keep": args.keep, "--async-save": args.async_save or None, "--overwrite": args.overwrite or None}
+                 "--keep": args.keep, "--async-save": args.async_save, "--overwrite": args.overwrite or None}
         if args.checkpoint_dir is None:
             given = [flag for flag, value in flags.items() if value is not None]
             if given:
@@ -172,11 +173,19 @@ class Checkpointing:
         return cls(str(root), args.checkpoint_every, args.resume, args.keep, args.async_save, args.overwrite,
                    uuid.uuid4().hex)
 
+    def check(self, ctx) -> None:
+        """Refuse what this world cannot do before compiling (a checkpointer process in a world of one)."""
+        if self.asynchronous is not None:
+            from ..checkpoint.background import Checkpointer, check_checkpointer  # imports DCP: only when used
+
+            check_checkpointer(Checkpointer(self.asynchronous), ctx)
+
     def periodic(self) -> Periodic | None:
         if self.directory is None:
             return None
         return Periodic(CheckpointDir(self.directory, keep=self.keep, run_id=self.run_id), self.every,
-                        asynchronous=self.asynchronous, overwrite=self.overwrite)
+                        asynchronous=self.asynchronous is not None, overwrite=self.overwrite,
+                        checkpointer=self.asynchronous or "thread")
 
     def nothing_to_do(self, steps: int) -> str | None:
         """Why a resumed run would train no step (its latest checkpoint is at ``steps`` or past it); else None."""
@@ -273,6 +282,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
         f"({backend}, {ctx.device}), {steps} steps, seed {seed}")
     started = time.perf_counter()
     peak = PeakMemory.start()
+    checkpoints.check(ctx)
     model = build(job, seed)
     example = split_for_rank(job, global_batch(job, 0), ctx.world_size, ctx.rank, 0)
     init = init_of(job, seed, weights)

@@ -112,6 +112,9 @@ def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Con
             shutdown()
             generation = rest[0]
             ctx = _join(rank, port, generation, config, conn)
+    checkpoints = sys.modules.get("shardlang.checkpoint.background")  # loaded only if a job saved
+    if checkpoints is not None:
+        checkpoints.stop_checkpointer_process()
     shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

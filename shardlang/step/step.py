@@ -353,14 +353,15 @@ class Step:
 
         return save(self, path, data_position=data_position)
 
-    def save_async(self, path, *, data_position: int | None = None):
+    def save_async(self, path, *, data_position: int | None = None, checkpointer: str = "thread"):
         """As `save`, but write in the background: returns an `AsyncSave` (``.wait()``); training may go on.
 
-        The state is copied first, between steps, so later steps do not change what is written.
+        The state is staged first (copied by DCP's stager, between steps), so later steps do not change
+        what is written. ``checkpointer``: ``"thread"`` or ``"process"`` (docs/checkpoints.md).
         """
         from ..checkpoint import save_async
 
-        return save_async(self, path, data_position=data_position)
+        return save_async(self, path, data_position=data_position, checkpointer=checkpointer)
 
     def load(self, path):
         """Read the checkpoint at ``path`` into this step's state (a collective), whatever layout wrote it.
