@@ -10,12 +10,16 @@ falls on all of them alike; each step is timed with ``time.process_time`` and
 - ``MODE+freed`` (``MODE+freed:MIB``): a shardlang mode compiled with
   ``Options(keep_reduction_buffers=False)``: its all-reduce buffers are made
   anew every step instead of kept between steps as torch DDP's buckets are
-  (Note [kept reduction buffers], the default).
+  (Note [kept reduction buffers], the default);
+- ``MODE+fresh``: a shardlang mode compiled with ``Options(buffer_pool=False)``:
+  its gathered buffers and gradient packs are made anew every step instead of
+  in the step's pool (Note [buffer assignment], the default).
 
 Example::
 
     python -m benchmarks.interleave --size 100M --world 2 --steps 4 shardlang-ddp shardlang-ddp+freed ddp
     python -m benchmarks.interleave --size 10M-latency --world 2 shardlang-zero2 shardlang-zero2:25 ddp
+    python -m benchmarks.interleave --size 100M --world 2 --steps 3 shardlang-zero2 shardlang-zero2+fresh ddp
 """
 
 from __future__ import annotations
@@ -36,8 +40,14 @@ from .modes import MODES, SHARDLANG_MODES, SIZES, STRATEGIES, RunSpec, _join_gro
 MiB = 2**20
 
 
+SUFFIXES = {"+freed": {"keep_reduction_buffers": False}, "+fresh": {"buffer_pool": False}}
+
+
 def _mode(variant: str) -> str:
-    return variant.partition(":")[0].removesuffix("+freed")
+    mode = variant.partition(":")[0]
+    for suffix in SUFFIXES:
+        mode = mode.removesuffix(suffix)
+    return mode
 
 
 def _with_options(mode: str, spec: RunSpec, ctx, example: torch.Tensor, **options):
@@ -53,10 +63,11 @@ def _with_options(mode: str, spec: RunSpec, ctx, example: torch.Tensor, **option
 
 def _build(variant: str, spec: RunSpec, ctx, example: torch.Tensor):
     mode, _, mib = variant.partition(":")
-    options = {"keep_reduction_buffers": False} if mode.endswith("+freed") else {}
+    options = next((o for suffix, o in SUFFIXES.items() if mode.endswith(suffix)), {})
+    options = dict(options)
     if mib:
         options["bucket_bytes"] = int(float(mib) * MiB)
-    mode = mode.removesuffix("+freed")
+    mode = _mode(mode)
     if options:
         return _with_options(mode, spec, ctx, example, **options)
     trainer = build_trainer(mode, spec, ctx, example)
@@ -88,15 +99,15 @@ def interleave(ctx, size: str, variants: list[str], warmup: int, steps: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.interleave", description=__doc__.split("\n\n")[0])
-    p.add_argument("variants", nargs="+", help="MODE, MODE:MIB (bucket_bytes) or MODE+freed")
+    p.add_argument("variants", nargs="+", help="MODE, MODE:MIB (bucket_bytes), MODE+freed or MODE+fresh")
     p.add_argument("--size", default="10M-latency", choices=list(SIZES))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args(argv)
     for v in args.variants:
-        if _mode(v) not in MODES or ((":" in v or "+freed" in v) and _mode(v) not in SHARDLANG_MODES):
-            p.error(f"variant {v!r}: a mode of {MODES}, or a shardlang mode with :MIB or +freed")
+        if _mode(v) not in MODES or ((":" in v or _mode(v) != v.partition(":")[0]) and _mode(v) not in SHARDLANG_MODES):
+            p.error(f"variant {v!r}: a mode of {MODES}, or a shardlang mode with :MIB, +freed or +fresh")
     if args.world < 2:
         p.error(f"--world is {args.world}; the comparison needs a process group of at least 2 ranks")
     with WorkerPool(args.world, threads=1, timeout=None) as pool:

@@ -28,6 +28,8 @@ from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.flat import FlatParam
 from .layout.optim import GroupedOptimizer
 from .context import CompileContext
+from .analysis.pool_choice import slots_within_peak
+from .passes.assign_buffers import assign_buffers, assign_slots, candidate_lives, pools_buffers
 from .passes.contract import GraphProperty
 from .passes.pipeline import DEFAULT_PASSES, run_passes
 from .schedule.schedule import Schedule, read_schedule
@@ -97,7 +99,24 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     gm = run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)
-    return CompiledStep(gm, ctx, schedule, traced)
+    return with_buffer_pool(CompiledStep(gm, ctx, schedule, traced))
+
+
+def with_buffer_pool(compiled: CompiledStep) -> CompiledStep:
+    """``compiled`` with the slots of the step's pool that do not raise its planned peak (Note [buffer
+    assignment], `analysis.pool_choice`); ``compiled`` as it is when there are none."""
+    ctx = compiled.context
+    if not pools_buffers(ctx):
+        return compiled
+    lives = candidate_lives(compiled.graph_module.graph)
+    held = slots_within_peak(lives, assign_slots(lives), compiled.memory) if lives else set()
+    if not held:
+        return compiled
+    memo = shape_memo(compiled.traced.graph_module)
+    pooled_gm = assign_buffers(copy_graph_module(compiled.graph_module), ctx, held, memo)
+    schedule = read_schedule(pooled_gm, ctx)
+    verify(schedule)
+    return attrs.evolve(compiled, graph_module=pooled_gm, schedule=schedule)
 
 
 def _is_fake(model: torch.nn.Module) -> bool:

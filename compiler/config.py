@@ -62,7 +62,9 @@ class Scheduling:
     - ``recompute``: unit name -> `Recompute` policy (units left out keep
       everything; `passes.recompute_activations`);
     - ``keep_reduction_buffers``: replicated gradients' all-reduce buffers kept
-      between steps (`passes.keep_reduction_buffers`).
+      between steps (`passes.keep_reduction_buffers`);
+    - ``buffer_pool``: gathers and reduction packs write into slots held between
+      steps, where that does not raise the planned peak (`passes.assign_buffers`).
     """
 
     reshard_after_forward: bool = True
@@ -70,6 +72,7 @@ class Scheduling:
     bucket_bytes: int = 0
     recompute: Mapping[str, Recompute] = attrs.field(factory=dict, converter=lambda r: dict(r or {}))
     keep_reduction_buffers: bool = True
+    buffer_pool: bool = True
 
 
 @attrs.frozen

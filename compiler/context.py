@@ -41,6 +41,7 @@ class CompileContext:
     recompute = _of_config("scheduling.recompute", "unit name -> its `Recompute` policy (units left out keep all)")
     keep_reduction_buffers = _of_config("scheduling.keep_reduction_buffers",
                                         "Note [kept reduction buffers] (`passes.keep_reduction_buffers`)")
+    buffer_pool = _of_config("scheduling.buffer_pool", "Note [buffer assignment] (`passes.assign_buffers`)")
 
     def flat(self, name: str) -> FlatParam:
         for f in self.flats:

@@ -78,11 +78,14 @@ def test_every_byte_is_accounted_for(gpt_plans):
     for op in plan.ops:
         if op.breakdown:
             assert sum(op.breakdown.values()) == op.peak >= op.live_after
-    live = 0
+    held = [Category.REDUCTION_BUFFERS, Category.BUFFER_POOL]  # held since the step before: live from the start
+    live = sum(plan.breakdown[c.value] for c in held)
+    assert plan.breakdown[Category.BUFFER_POOL.value] > 0  # the pool's slots that do not raise the peak
     for node in plan.nodes:
         assert node.during == live + node.allocated - node.released and node.after == node.during - node.freed
         live = node.after
-    persistent = sum(plan.breakdown[c.value] for c in (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS))
+    persistent = sum(plan.breakdown[c.value] for c in (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS,
+                                                       *held))
     assert persistent == plan.persistent
     assert plan.nodes[-1].after - plan.persistent < 64  # after the step: the inputs and the 0-d loss
 
@@ -138,10 +141,14 @@ def test_gloo_scratch_is_held_from_issue_to_wait(gpt_plans):
 def test_full_sharding_peaks_lower_than_keeping_units_gathered():
     # N=2: at N=4 ZeRO-2's peak is the root unit's gradient reduction (on gloo an all-to-all holds its input and
     # its full-size result until the wait), where no block is gathered any more in either strategy.
-    zero3 = plan_job(GPT, 2).memory
-    zero2 = plan_job(GPT, 2, reshard_after_forward=False).memory
+    # Without the buffer pool, so that gathered units are counted as such (ZeRO-2's pool holds them otherwise).
+    zero3 = plan_job(GPT, 2, buffer_pool=False).memory
+    zero2 = plan_job(GPT, 2, reshard_after_forward=False, buffer_pool=False).memory
     assert zero3.peak < zero2.peak
     assert zero2.breakdown["gathered"] > zero3.breakdown["gathered"]
+    pooled = plan_job(GPT, 2, reshard_after_forward=False).memory
+    assert pooled.peak == zero2.peak and pooled.breakdown["gathered"] + pooled.breakdown["buffer_pool"] >= \
+        zero2.breakdown["gathered"]
 
 
 def test_views_and_in_place_updates_allocate_nothing():

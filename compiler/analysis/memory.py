@@ -53,7 +53,10 @@ previous step left them) to its end, and in ``persistent``. Their pack
 allocates nothing, and neither does what the bound graph does to them in
 place (Note [reductions in place] in `passes.reduce_in_place`): the all-reduce,
 its wait, and the average when it alone reads the wait share the kept storage
-in the compiled graph itself, as in the bound one.
+in the compiled graph itself, as in the bound one. The slots of the step's
+pool (Note [buffer assignment] in `compiler.layout.buffers`) are held the same
+way, as `Category.BUFFER_POOL`: a gather, unpack or pack written into a slot
+allocates nothing, its value (and every view of it) shares the slot's storage.
 
 Example::
 
@@ -91,12 +94,14 @@ class Category(enum.Enum):
     ACTIVATIONS = "activations"  # values made in forward (kept for backward, or not yet dead)
     GRADIENT_BUFFERS = "gradient_buffers"  # full-size parameter gradients and the packed reduction buffers
     REDUCTION_BUFFERS = "reduction_buffers"  # all-reduce buffers kept between steps (Note [kept buffers in the plan])
+    BUFFER_POOL = "buffer_pool"  # the step's slots for gathers and packs, held between steps (Note [buffer assignment])
     GRADIENT_SHARDS = "gradient_shards"  # reduction outputs (this rank's shard) and their average
     TEMPORARIES = "temporaries"  # other backward and optimizer values: activation gradients, update terms
     COLLECTIVE_SCRATCH = "collective_scratch"  # the backend's own copies while a collective runs
 
 
-PERSISTENT = (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS, Category.REDUCTION_BUFFERS)
+PERSISTENT = (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS, Category.REDUCTION_BUFFERS,
+              Category.BUFFER_POOL)
 
 #: NCCL (and a world of one) work in the collective's own buffers: no scratch.
 NO_SCRATCH = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
@@ -332,8 +337,8 @@ class _Simulator:
         late: dict[fx.Node, int] = {}  # node -> scratch bytes that outlived a wait and go as this node starts
         records = []
         made_by: dict[StorageWeakRef, fx.Node] = {}
-        for node in self.nodes:  # Note [kept buffers in the plan]: held since the step before
-            if is_kept(node):
+        for node in self.nodes:  # Note [kept buffers in the plan]: held since the step before, as the pool's slots
+            if is_kept(node) or kind_of(node) is NodeKind.SLOT:
                 for key, nbytes in _storages(node.meta.get("val")):
                     if key not in size:
                         size[key], refs[key], made_by[key] = nbytes, 0, node
@@ -434,7 +439,8 @@ class _Simulator:
             if node.op == "placeholder":
                 continue
             for key, _ in _storages(node.meta.get("val")):
-                category.setdefault(key, Category.REDUCTION_BUFFERS if is_kept(node) else _node_category(node))
+                category.setdefault(key, Category.REDUCTION_BUFFERS if is_kept(node) else
+                                    Category.BUFFER_POOL if kind_of(node) is NodeKind.SLOT else _node_category(node))
         for node in self.nodes:  # what a reduction packs, or an update reads by member, is a parameter gradient
             if kind_of(node) is NodeKind.PACK:
                 gradients = node.all_input_nodes

@@ -50,6 +50,7 @@ class NodeKind(enum.Enum):
     AVERAGE = "average"  # the reduced gradient divided by the ranks (or summed over micro-batches)
     CLIP = "clip"  # the global norm and the clipping of the gradients by it
     SKIP = "skip"  # whether this step's update runs (Note [skip by select])
+    SLOT = "slot"  # a buffer of the step's pool, held between steps (Note [buffer assignment])
 
     @property
     def is_collective(self) -> bool:
@@ -122,6 +123,12 @@ def is_kept(node: fx.Node) -> bool:
     """Whether ``node`` is a pack whose buffer the bound step keeps between steps (Note [kept reduction buffers])."""
     t = node.meta.get("sl")
     return t is not None and t.kept
+
+
+def writes_into_slot(node: fx.Node) -> bool:
+    """Whether ``node``'s value lies in a slot of the step's pool (Note [buffer assignment]): a gather or a pack
+    that an argument of kind SLOT receives."""
+    return any(kind_of(a) is NodeKind.SLOT for a in node.all_input_nodes)
 
 
 def is_inserted(node: fx.Node) -> bool:

@@ -326,6 +326,23 @@ def unpack_member(gathered: torch.Tensor, world: int, offset: int, piece: int, k
     return block.reshape(-1)[:numel].view(shape)
 
 
+def unpack_member_into(gathered: torch.Tensor, world: int, offset: int, piece: int, kind: str, dim: int | None,
+                       local_shape: list[int], shape: list[int], out: torch.Tensor) -> torch.Tensor:
+    """`unpack_member` of a flat-sharded member copied into ``out`` (a slot of the step's pool, Note [buffer
+    assignment]) row by row, with no temporary; returns ``out`` viewed as ``shape``. The same values, in the same
+    order: rank 0's piece, then rank 1's, ..., the padding left out."""
+    rows = gathered.view(world, -1)
+    block = rows[:, offset : offset + piece]
+    numel = math.prod(shape)
+    flat = out.view(-1)
+    whole = numel // piece
+    if whole:
+        flat[: whole * piece].view(whole, piece).copy_(block[:whole])
+    if numel > whole * piece:
+        flat[whole * piece :].copy_(block[whole, : numel - whole * piece])
+    return out.view(shape)
+
+
 def pack_gradients(world: int, specs: list, dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
     """Lay out full gradients as a ``(N * S)`` buffer whose row r is rank r's shard (copy-in).
 
@@ -334,6 +351,20 @@ def pack_gradients(world: int, specs: list, dtype: torch.dtype | None, *grads: t
     ``dtype`` (mixed precision) is the dtype of the packed buffer, the one reduced in.
     The inverse of `unpack_member`, applied to every member at once.
     """
+    rows = _gradient_rows(world, specs, dtype, grads)
+    return torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+
+
+def pack_gradients_into(out: torch.Tensor, world: int, specs: list, dtype: torch.dtype | None,
+                        *grads: torch.Tensor) -> torch.Tensor:
+    """`pack_gradients` written into ``out`` (a slot of the step's pool, Note [buffer assignment]); returns ``out``."""
+    rows = _gradient_rows(world, specs, dtype, grads)
+    torch.cat(rows, dim=1, out=out.view(world, -1))
+    return out
+
+
+def _gradient_rows(world: int, specs: list, dtype: torch.dtype | None, grads) -> list[torch.Tensor]:
+    """Each gradient as ``(N, piece)``: row r is rank r's piece of it."""
     rows = []
     for grad, (kind, dim, piece, local_dim, shape) in zip(grads, specs):
         grad = grad.reshape(shape) if dtype is None else grad.reshape(shape).to(dtype)
@@ -343,7 +374,7 @@ def pack_gradients(world: int, specs: list, dtype: torch.dtype | None, *grads: t
             rows.append(split.movedim(dim, 0).reshape(world, piece))
         else:
             rows.append(_pad_flat(grad.reshape(-1), world * piece).view(world, piece))
-    return torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+    return rows
 
 
 def flatten_gradients(dtype: torch.dtype | None, *grads: torch.Tensor) -> torch.Tensor:
@@ -397,6 +428,18 @@ def pack_whole_gradients(padded_numel: int, dtype: torch.dtype | None, *grads: t
     flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
     flat = flat if dtype is None else flat.to(dtype)
     return _pad_flat(flat, padded_numel)
+
+
+def pack_whole_gradients_into(out: torch.Tensor, padded_numel: int, dtype: torch.dtype | None,
+                              *grads: torch.Tensor) -> torch.Tensor:
+    """`pack_whole_gradients` written into ``out`` (a slot of the step's pool, Note [buffer assignment]): each
+    gradient copied (and cast) in place, the padding zeroed; returns ``out``."""
+    offset = 0
+    for grad in grads:
+        out[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        offset += grad.numel()
+    out[offset:padded_numel].zero_()
+    return out
 
 
 def _pad_flat(flat: torch.Tensor, numel: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from ..ir import collectives
 from shardlang.errors import CompileError
+from ..layout.buffers import BufferPool, buffer_slot
 from ..layout.flat import KeptReductionBuffer, flatten_gradients
 from ..ir.tags import is_kept
 from ..layout.placement import WORLD
@@ -55,7 +56,8 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     ``reduce_scatter_as_all_to_all`` (gloo) lowers reduce-scatters as Note
     [reduce-scatter as all-to-all] says. The packs marked kept (Note [kept
     reduction buffers] in `passes.keep_reduction_buffers`) write into buffers
-    that the returned graph owns (`kept_reduction_buffers`).
+    that the returned graph owns (`kept_reduction_buffers`), and so do the
+    slots of the step's pool (Note [buffer assignment], `buffer_pool`).
 
     Example::
 
@@ -106,6 +108,7 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             if node.args[0] in exchanged:
                 _sum_blocks(bound.graph, node, *exchanged[node.args[0]])
     _keep_reduction_buffers(bound.graph)
+    _own_buffer_pool(bound.graph)
     bound.graph.lint()
     bound.recompile()
     return bound
@@ -116,6 +119,23 @@ def _keep_reduction_buffers(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.target is flatten_gradients and is_kept(node):
             node.target = KeptReductionBuffer().fill
+
+
+def _own_buffer_pool(graph: fx.Graph) -> None:
+    """The slots of the step's pool become the bound graph's own, kept between steps (Note [buffer assignment])."""
+    pool = BufferPool()
+    for node in graph.nodes:
+        if node.target is buffer_slot:
+            node.target = pool.slot
+
+
+def buffer_pool(gm: fx.GraphModule) -> BufferPool | None:
+    """The pool a bound graph holds its slots in (Note [buffer assignment]); None when it has none.
+
+    Example: ``buffer_pool(bound).nbytes`` after a step: the bytes the pool holds between steps.
+    """
+    return next((node.target.__self__ for node in gm.graph.nodes
+                 if isinstance(getattr(node.target, "__self__", None), BufferPool)), None)
 
 
 def kept_reduction_buffers(gm: fx.GraphModule) -> dict[str, KeptReductionBuffer]:

@@ -47,6 +47,7 @@ class GraphProperty(enum.Enum):
     REDUCTION_BUFFERS_KEPT = "the packs the bound step keeps between steps are marked"
     REDUCTIONS_IN_PLACE = "buffers made for their reduction alone are reduced in place, and averaged in place"
     SHAPES_PROPAGATED = "every node's meta['val'] holds its final shape"
+    BUFFERS_ASSIGNED = "gathers and packs that may share the step's pool write into its slots"
 
 
 @attrs.frozen

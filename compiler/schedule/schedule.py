@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..ir import collectives
 from ..context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies
-from ..ir.tags import NodeKind, kind_of, node_tag
+from ..ir.tags import NodeKind, kind_of, node_tag, writes_into_slot
 from ..layout.member_updates import written_in_place
 from ..layout.placement import WORLD
 from shardlang.spec.vocabulary import Strategy
@@ -303,9 +303,10 @@ def _flat_summary(flat) -> FlatSummary:
 
 def _freed_bytes(free: fx.Node) -> int:
     """The storage a ``free`` releases: the gathered buffer, or the copies unpacked from it
-    (Note [copy-out frees the buffer] in passes/reshard_after_forward.py)."""
+    (Note [copy-out frees the buffer] in passes/reshard_after_forward.py). In the step's pool or not: the free ends
+    the buffer's life; whether its bytes go back or stay in a slot is the memory plan's (Note [buffer assignment])."""
     held = [a for a in free.args if kind_of(a) is NodeKind.WAIT_GATHER
-            or (kind_of(a) is NodeKind.UNPACK and unpack_copies(a))]
+            or (kind_of(a) is NodeKind.UNPACK and (writes_into_slot(a) or unpack_copies(a)))]
     return sum(_nbytes(a) for a in held)
 
 
@@ -333,8 +334,8 @@ class _Builder:
         return self.ctx.flat(flat).unit if flat else None
 
     def visit(self, node: fx.Node) -> None:
-        if node.op in ("placeholder", "output", "get_attr"):
-            return
+        if node.op in ("placeholder", "output", "get_attr") or kind_of(node) is NodeKind.SLOT:
+            return  # a slot of the step's pool is held from the step before, as an input is
         microbatch = tag_of(node, "microbatch")
         if microbatch != self.microbatch:  # an op belongs to one micro-batch
             self.close_segment()

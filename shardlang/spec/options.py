@@ -22,7 +22,7 @@ __all__ = ["Options", "options_from_dict"]
 
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
                 "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend",
-                "keep_reduction_buffers")
+                "keep_reduction_buffers", "buffer_pool")
 
 
 def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -98,6 +98,11 @@ class Options:
       and refilled, as torch DDP keeps its buckets (True, the default: no fresh
       pages every step); False frees it after each step, a full gradient fewer held
       between steps. Eager backend only (docs/spec.md).
+    - ``buffer_pool``: gathered units and gradient packs write into a pool of
+      buffers the step holds from one step to the next, each slot shared by buffers
+      of one size whose lives do not overlap (True, the default; kept only where
+      the planned peak does not rise). False makes each anew every step. Eager
+      backend only (docs/memory.md).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -117,6 +122,7 @@ class Options:
     skip_nonfinite: bool = attrs.field(default=False, validator=_check_bool)
     backend: StepBackend = attrs.field(default=StepBackend.EAGER, converter=_to_backend, repr=training.enum_repr)
     keep_reduction_buffers: bool = attrs.field(default=True, validator=_check_bool)
+    buffer_pool: bool = attrs.field(default=True, validator=_check_bool)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -124,7 +130,7 @@ class Options:
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers"):  # only when not the default
+                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers", "buffer_pool"):  # if not default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

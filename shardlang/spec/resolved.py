@@ -49,7 +49,7 @@ class ResolvedSpec:
             precision=Precision(mp.param_dtype, mp.reduce_dtype) if mp is not None else Precision(),
             scheduling=Scheduling(reshard_after_forward=o.reshard_after_forward, prefetch=o.prefetch,
                                   bucket_bytes=o.bucket_bytes, recompute=self.recompute,
-                                  keep_reduction_buffers=o.keep_reduction_buffers),
+                                  keep_reduction_buffers=o.keep_reduction_buffers, buffer_pool=o.buffer_pool),
             training=training.training_of(self), backend=o.backend)
 
     @property
