@@ -28,7 +28,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError", "CompileError", "NonFiniteError", "ScheduleError", "ShardlangError",
-    "ShardlangRuntimeError", "SpecError", "TraceError",
+    "ShardlangRuntimeError", "SpecError", "TraceError", "member_of",
 ]
 
 
@@ -101,3 +101,14 @@ class NonFiniteError(ShardlangRuntimeError):
         super().__init__(message)
         self.step = step
         self.count = count
+
+
+def member_of(cls, value, where: str, *, error: type[ShardlangError] = SpecError, hint: str = ""):
+    """``value`` as a member of the enum ``cls`` (a member, or its value); else ``error`` naming ``where``, the
+    value and the valid values. Example: ``member_of(Strategy, "zero2", "Options.strategy")``."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        raise error(f"{where} is {value!r}; valid values are {[m.value for m in cls]}{hint}") from None

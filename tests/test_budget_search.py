@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import models
 import shardlang as sl

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import textwrap
 
-import pytest
 
 from test_cli import shardlang
 

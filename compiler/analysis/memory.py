@@ -231,7 +231,7 @@ class MemoryPlan:
         if not shown:
             return []
         width = max(12, *(len(u.unit or "<root>") + 2 for u in shown))
-        lines = [f"activations per unit (kept from forward to backward; recomputed in backward):",
+        lines = ["activations per unit (kept from forward to backward; recomputed in backward):",
                  f"  {'unit':<{width}}{'recompute':<11}{'kept':>12}{'recomputed':>12}"]
         for u in shown:
             lines.append(f"  {u.unit or '<root>':<{width}}{u.policy:<11}{human_bytes(u.kept):>12}"

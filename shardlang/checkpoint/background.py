@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, member_of
 from . import store
 from .checksums import ChecksummingWriter
 from .planner import EntrySavePlanner
@@ -62,14 +62,8 @@ class Checkpointer(enum.Enum):
     PROCESS = "process"
 
     @classmethod
-    def parse(cls, value, where: str = "checkpointer") -> Checkpointer:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise CheckpointError(f"{where}={value!r} is not a checkpointer; valid: "
-                                  f"{', '.join(repr(c.value) for c in cls)}") from None
+    def parse(cls, value) -> Checkpointer:
+        return member_of(cls, value, "checkpointer", error=CheckpointError)
 
 
 class AsyncSave:

@@ -35,7 +35,7 @@ from shardlang.errors import ShardlangRuntimeError
 from ..compiler import drop_no_action_warnings
 from shardlang.runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_with_store, shutdown
 from shardlang.runtime.failures import exception_summary, stack_path
-from shardlang.runtime.rendezvous import LOCALHOST, join_store
+from shardlang.runtime.rendezvous import join_store
 
 CLEAR_LINE = "\r\x1b[K"  # carriage return, then erase to the end of the line (ANSI)
 

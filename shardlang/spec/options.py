@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from shardlang.errors import SpecError
+from shardlang.errors import SpecError, member_of
 from shardlang.spec import training
 from shardlang.spec.precision import MixedPrecision
 from shardlang.spec.vocabulary import StepBackend
@@ -60,14 +60,8 @@ def _check_memory_budget(_instance: object, _attribute: object, value: object) -
 
 
 def _to_backend(value: object) -> StepBackend:
-    if isinstance(value, StepBackend):
-        return value
-    try:
-        return StepBackend(value)
-    except ValueError:
-        raise SpecError(f"Options.backend is {value!r}; valid backends are "
-                        f"{[b.value for b in StepBackend]} ('inductor': compile the step with torch.compile's "
-                        "inductor, collectives included)") from None
+    return member_of(StepBackend, value, "Options.backend",
+                     hint=" ('inductor': compile the step with torch.compile's inductor, collectives included)")
 
 
 @attrs.frozen

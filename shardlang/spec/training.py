@@ -31,7 +31,7 @@ import attrs
 
 from ..compiler import GROUP_KEYS, Training
 from shardlang.spec.vocabulary import Accumulation, RandomScheme
-from ..errors import SpecError
+from ..errors import SpecError, member_of
 
 __all__ = ["Accumulation", "ParamGroup", "RandomScheme", "assign_groups", "to_param_groups", "torch_param_groups",
            "training_of"]
@@ -234,13 +234,7 @@ def to_random(value: object) -> RandomScheme:
 
 
 def _to_enum(cls, value, where):
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        valid = [m.value for m in cls]
-        raise SpecError(f"{where} is {value!r}; valid values are {valid} (or {cls.__name__}.<NAME>)") from None
+    return member_of(cls, value, where, hint=f" (or {cls.__name__}.<NAME>)")
 
 
 def _some(names: list[str], shown: int = 8) -> str:
