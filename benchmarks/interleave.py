@@ -63,8 +63,7 @@ def _with_options(mode: str, spec: RunSpec, ctx, example: torch.Tensor, **option
 
 def _build(variant: str, spec: RunSpec, ctx, example: torch.Tensor):
     mode, _, mib = variant.partition(":")
-    options = next((o for suffix, o in SUFFIXES.items() if mode.endswith(suffix)), {})
-    options = dict(options)
+    options = dict(next((o for suffix, o in SUFFIXES.items() if mode.endswith(suffix)), {}))
     if mib:
         options["bucket_bytes"] = int(float(mib) * MiB)
     mode = _mode(mode)

@@ -109,11 +109,13 @@ def with_buffer_pool(compiled: CompiledStep) -> CompiledStep:
     if not pools_buffers(ctx):
         return compiled
     lives = candidate_lives(compiled.graph_module.graph)
-    held = slots_within_peak(lives, assign_slots(lives), compiled.memory) if lives else set()
-    if not held:
+    slots = assign_slots(lives)
+    held = slots_within_peak(lives, slots, compiled.memory) if lives else set()
+    chosen = {node.name: index for node, index in slots.items() if index in held}  # a copy keeps the names
+    if not chosen:
         return compiled
     memo = shape_memo(compiled.traced.graph_module)
-    pooled_gm = assign_buffers(copy_graph_module(compiled.graph_module), ctx, held, memo)
+    pooled_gm = assign_buffers(copy_graph_module(compiled.graph_module), ctx, chosen, memo)
     schedule = read_schedule(pooled_gm, ctx)
     verify(schedule)
     return attrs.evolve(compiled, graph_module=pooled_gm, schedule=schedule)

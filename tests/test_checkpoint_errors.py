@@ -174,3 +174,11 @@ def test_a_damaged_file_fails_every_rank(run_on, tmp_path):
     data.write_bytes(data.read_bytes()[:10])
     messages = run_on(2, w.load_error, case)
     assert all("__1_0.distcp has 10 bytes" in m for m in messages), messages
+
+
+def test_an_unknown_checkpointer_is_refused_by_name():
+    from shardlang.checkpoint.background import Checkpointer
+
+    with pytest.raises(sl.CheckpointError, match=r"checkpointer is 'disk'; valid values are \['thread', 'process'\]"):
+        Checkpointer.parse("disk")
+    assert Checkpointer.parse("process") is Checkpointer.PROCESS

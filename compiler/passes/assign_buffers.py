@@ -71,20 +71,21 @@ class Life:
 
 @graph_pass(requires={GraphProperty.REDUCTIONS_IN_PLACE, GraphProperty.GATHERS_FREED},
             establishes={GraphProperty.BUFFERS_ASSIGNED})
-def assign_buffers(gm: fx.GraphModule, ctx: CompileContext, held: set[int] | None = None,
+def assign_buffers(gm: fx.GraphModule, ctx: CompileContext, slots: dict[str, int] | None = None,
                    memo: ShapeMemo | None = None) -> fx.GraphModule:
-    """Pool the candidates of ``gm`` (those whose slot is in ``held``, when given: `analysis.pool_choice`).
+    """Pool the candidates of ``gm``: by ``slots`` (node name -> slot, as `compile_step` chose them with
+    `analysis.pool_choice`), or every candidate by `assign_slots`.
 
     ``memo``, the trace's shape memo, spares the propagation the nodes it already knows (Note [incremental
     shapes])."""
     if not pools_buffers(ctx):
         return gm
-    lives = candidate_lives(gm.graph)
-    slots = {node: index for node, index in assign_slots(lives).items() if held is None or index in held}
+    if slots is None:
+        slots = {node.name: index for node, index in assign_slots(candidate_lives(gm.graph)).items()}
     if not slots:
         return gm
     remember_shapes(gm, memo)
-    _rewrite(gm.graph, [life for life in lives if life.node in slots], slots)
+    _rewrite(gm.graph, {node: slots[node.name] for node in gm.graph.nodes if node.name in slots})
     gm.recompile()
     return propagate_shapes(gm, ctx)
 
@@ -159,19 +160,19 @@ def _waits_of_collective_reading(user: fx.Node, holder: fx.Node) -> list[fx.Node
     return [w for w in user.users if kind_of(w) is not None and kind_of(w).is_wait]
 
 
-def _rewrite(graph: fx.Graph, lives: list[Life], slots: dict[fx.Node, int]) -> None:
+def _rewrite(graph: fx.Graph, slots: dict[fx.Node, int]) -> None:
     """One `buffer_slot` node per slot after the placeholders; each candidate writes into its slot."""
     first = next(n for n in graph.nodes if n.op != "placeholder")
     like = next(n for n in graph.nodes if n.op == "placeholder")
     slot_nodes: dict[int, fx.Node] = {}
-    for life in sorted(lives, key=lambda life: slots[life.node]):
-        index = slots[life.node]
+    for node, index in sorted(slots.items(), key=lambda item: item[1]):
         if index not in slot_nodes:
+            val = node.meta["val"]
             with graph.inserting_before(first):
-                slot = slot_nodes[index] = tag(graph.call_function(buffer_slot, (index, life.numel, life.dtype, like)),
-                                               NodeKind.SLOT, None, Phase.FORWARD, detail=f"slot {index}")
-    for life in lives:
-        node, slot = life.node, slot_nodes[slots[life.node]]
+                slot_nodes[index] = tag(graph.call_function(buffer_slot, (index, val.numel(), val.dtype, like)),
+                                        NodeKind.SLOT, None, Phase.FORWARD, detail=f"slot {index}")
+    for node, index in slots.items():
+        slot = slot_nodes[index]
         if node.target is collectives.all_gather:
             shard, axis, size = node.args
             node.target, node.args = collectives.all_gather_into, (shard, slot, axis, size)

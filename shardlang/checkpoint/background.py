@@ -140,12 +140,10 @@ def save_async(step, sd: dict, path: Path, checkpointer: Checkpointer, *, thread
     ctx, group = step.dist, saves.group
     if checkpointer is Checkpointer.PROCESS:
         _checkpointer_process_environment(ctx)
-    single_process_is_intended(ctx)
-    tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
-    writer = ChecksummingWriter(str(tmp), thread_count=threads,
-                                digests_file=checkpointer is Checkpointer.PROCESS)
+    tmp, writer, planner = start_write(step, path, group, threads=threads,
+                                       digests_file=checkpointer is Checkpointer.PROCESS)
     try:
-        upload = dcp.async_save(sd, storage_writer=writer, planner=EntrySavePlanner(saves.plan_key),
+        upload = dcp.async_save(sd, storage_writer=writer, planner=planner,
                                 process_group=group, async_stager=saves.stager(checkpointer),
                                 async_checkpointer_type=AsyncCheckpointerType(checkpointer.value),
                                 no_dist=not ctx.has_process_group)
@@ -154,6 +152,17 @@ def save_async(step, sd: dict, path: Path, checkpointer: Checkpointer, *, thread
         upload.set_exception(exc)
     saves.pending = AsyncSave(saves.submit(publish, upload.result, path, tmp, writer, group), path)
     return saves.pending
+
+
+def start_write(step, path: Path, group, *, threads: int, digests_file: bool = False):
+    """What every save starts with, synchronous or not: the temporary directory (a barrier over ``group``), the
+    writer that digests as it writes, and the planner under the step's cached plan. Returns (tmp, writer,
+    planner)."""
+    ctx = step.dist
+    single_process_is_intended(ctx)
+    tmp = store.prepare(path, ctx.rank, ctx.world_size, group)
+    writer = ChecksummingWriter(str(tmp), thread_count=threads, digests_file=digests_file)
+    return tmp, writer, EntrySavePlanner(Saves.of(step).plan_key)
 
 
 def wait_for_saves(step) -> None:
@@ -214,4 +223,4 @@ def _store_address() -> tuple[str, int] | None:
 
 
 __all__ = ["AsyncSave", "Checkpointer", "Saves", "check_checkpointer", "save_async", "single_process_is_intended",
-           "stop_checkpointer_process", "wait_for_saves"]
+           "start_write", "stop_checkpointer_process", "wait_for_saves"]

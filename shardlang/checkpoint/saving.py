@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..compiler import hyper_name
 from ..errors import CheckpointError
 from . import background, store
-from .background import AsyncSave, Checkpointer, Saves, wait_for_saves
+from .background import AsyncSave, Checkpointer, wait_for_saves
 from .checksums import ChecksummingWriter
-from .planner import EntryLoadPlanner, EntrySavePlanner
+from .planner import EntryLoadPlanner
 from .untrusted import SafeReader
 from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, meta, schedule_from_saved,
                          model_entries, optimizer_entries, own_entries, param_groups, set_rng)
@@ -91,13 +91,10 @@ def save(step, path, *, data_position: int | None = None, run: str | None = None
     """
     path, ctx = Path(path), step.dist
     sd = state_dict(step, data_position)
-    tmp = store.prepare(path, ctx.rank, ctx.world_size, None)
-    writer = ChecksummingWriter(str(tmp), thread_count=WRITER_THREADS)
+    tmp, writer, planner = background.start_write(step, path, None, threads=WRITER_THREADS)
 
     def upload():
-        background.single_process_is_intended(ctx)
-        dcp.save(sd, storage_writer=writer, planner=EntrySavePlanner(Saves.of(step).plan_key),
-                     no_dist=not ctx.has_process_group)
+        dcp.save(sd, storage_writer=writer, planner=planner, no_dist=not ctx.has_process_group)
 
     return _publish(upload, path, tmp, writer, None, ctx=ctx, record=_record(sd, ctx, run))
 
