@@ -68,8 +68,8 @@ class Init:
 
     - ``seed``: each module initialises under ``module_seed(seed, its name)`` (Note [initial values]).
     - ``init_weights(module)``: called on every module that owns a meta tensor, after its
-      ``reset_parameters()`` (if any); for models that initialise differently (a Hugging Face
-      model's ``_init_weights``).
+      ``reset_parameters()`` (if any); for models that initialise differently. A Hugging Face
+      model's own ``_init_weights`` is used when none is given (Note [the model's own initialiser]).
     - ``weights``: a safetensors file or a Hugging Face checkpoint directory (`shardlang.step.weights`);
       every parameter is read from it, and the buffers it holds.
 
@@ -115,6 +115,7 @@ def materialize(compiled: CompiledStep, model: nn.Module, rank: int, device: tor
         state = materialize(compiled, meta_model, rank=1, device=torch.device("cpu"))
         Step(compiled, None, optimizer, ctx, state=state)
     """
+    init = with_model_initialiser(init, model)
     tensors = _Tensors(model)
     files, from_file = _open_weights(init, model)
     tensors.check_initialisable(init.init_weights, from_file)
@@ -150,6 +151,7 @@ def materialize_module(model: nn.Module, init: Init = Init()) -> nn.Module:
 
         reference = materialize_module(build_on_meta(), Init(seed=0))
     """
+    init = with_model_initialiser(init, model)
     tensors = _Tensors(model)
     files, from_file = _open_weights(init, model)
     tensors.check_initialisable(init.init_weights, from_file)
@@ -158,6 +160,22 @@ def materialize_module(model: nn.Module, init: Init = Init()) -> nn.Module:
         for name, key in from_file.items():
             values[name].copy_(files.read(key, values[name].dtype))
     return model
+
+
+def with_model_initialiser(init: Init, model: nn.Module) -> Init:
+    """``init``, with the model's own initialiser as ``init_weights`` when none is given and the model has one.
+
+    Note [the model's own initialiser]: a Hugging Face model (a ``PreTrainedModel``) initialises in its
+    constructor by calling ``self._init_weights(module)`` on every module (``post_init``); that is also
+    what gives the rotary embeddings' non-persistent ``inv_freq`` its value, which no weights file holds.
+    Built on meta, the constructor's initialisation did nothing, so shardlang calls the root's
+    ``_init_weights`` where ``init_weights`` would be called: on every module, after its
+    ``reset_parameters()``, under the module's seed. A job's own ``init_weights`` takes precedence.
+    """
+    own = getattr(model, "_init_weights", None)
+    if init.init_weights is not None or not callable(own) or getattr(model, "config", None) is None:
+        return init
+    return attrs.evolve(init, init_weights=own)
 
 
 def _open_weights(init: Init, model: nn.Module) -> tuple[WeightFiles | None, dict[str, str]]:
