@@ -14,12 +14,14 @@ Example::
     loss = step(batch)
 """
 
+from . import data
 from .api import compile, plan
 from .step.batch import split_batch
 from .compiler import Adam, AdamW, OpKind, Schedule, SGD, StepBackend, verify
 from .errors import (
     CheckpointError,
     CompileError,
+    DataError,
     ScheduleError,
     ShardlangError,
     ShardlangRuntimeError,
@@ -40,10 +42,10 @@ from .spec.training import ParamGroup
 from shardlang.spec.vocabulary import Accumulation, RandomScheme
 
 __all__ = [
-    "Adam", "AdamW", "CheckpointError", "CompileError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
+    "Adam", "AdamW", "CheckpointError", "CompileError", "DataError", "Mesh", "MixedPrecision", "OpKind", "Options", "Replicate", "ResolvedSpec",
     "Rule", "SGD", "Schedule",
     "ScheduleError", "Shard", "ShardlangError", "ShardlangRuntimeError", "Spec", "SpecError", "Step", "TraceError",
-    "compile", "plan", "replicate", "shard", "split_batch", "verify",
+    "compile", "data", "plan", "replicate", "shard", "split_batch", "verify",
     "Accumulation", "ParamGroup", "RandomScheme", "StepBackend",
     "DDP", "Strategy", "StrategyRule", "ZeRO1", "ZeRO2", "ZeRO3",
     "Recompute", "RecomputeRule",

@@ -5,6 +5,7 @@ module imports nothing of shardlang, so every layer can raise them)::
 
     ShardlangError
     ├── SpecError              a spec is malformed or does not fit the model / world (also a ValueError)
+    ├── DataError              prepared data or its inputs are missing, damaged or do not fit (.path)
     ├── TraceError             the training step could not be traced into one graph
     ├── CompileError           a compiler pass failed (.pass_name, .passes_before)
     │   └── ScheduleError      the schedule verifier found a broken invariant
@@ -27,7 +28,7 @@ Example::
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "CompileError", "NonFiniteError", "ScheduleError", "ShardlangError",
+    "CheckpointError", "CompileError", "DataError", "NonFiniteError", "ScheduleError", "ShardlangError",
     "ShardlangRuntimeError", "SpecError", "TraceError", "member_of",
 ]
 
@@ -41,6 +42,19 @@ class SpecError(ShardlangError, ValueError):
 
     Example: ``SpecError("parameter 'head.bias' matches no rule; rules are ['blocks.*']")``.
     """
+
+
+class DataError(ShardlangError, ValueError):
+    """Training data could not be prepared or read: a missing index, a damaged shard, an unreadable input.
+
+    ``path`` is the file or directory concerned.
+
+    Example: ``DataError("data/train-00003.npy: checksum ... differs from the index's", path=...)``.
+    """
+
+    def __init__(self, message: str, *, path=None):
+        super().__init__(message)
+        self.path = path
 
 
 class TraceError(ShardlangError):

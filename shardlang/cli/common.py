@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..step.batch import split_batch
 from ..errors import ShardlangRuntimeError
-from .job import Job, global_batch, load_job
+from .job import Job, converted, global_batch, load_job
 from ..runtime.dist import DistContext
 
 
@@ -35,11 +35,28 @@ def split_for_rank(job: Job, batch, world: int, rank: int, step: int, maker: str
         raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}({step}): {exc}") from exc
 
 
+def rank_batch(job: Job, step: int, world: int, rank: int, evaluation: bool = False):
+    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks.
+
+    A batch maker that reads rows (``sl.data.tokens``: ``rows(step, start, stop)`` and an int ``global_batch``)
+    is asked for this rank's rows alone, the rows `split_batch` would cut; any other is called for the whole
+    global batch, which is then split.
+    """
+    maker = "make_eval_batch" if evaluation else "make_batch"
+    source = getattr(job, maker)
+    rows, size = getattr(source, "rows", None), getattr(source, "global_batch", None)
+    if not (callable(rows) and isinstance(size, int)):
+        return split_for_rank(job, global_batch(job, step, evaluation=evaluation), world, rank, step, maker)
+    if size % world:
+        raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}: global batch size {size} does not divide by world "
+                                    f"size {world}; use a multiple of {world}, e.g. {size - size % world or world}")
+    per_rank = size // world
+    return converted(job, rows(step, rank * per_rank, (rank + 1) * per_rank))
+
+
 def eval_example(job: Job, world: int, rank: int = 0):
     """The per-rank batch an evaluation is compiled for: ``make_eval_batch(0)``'s, else ``make_batch(0)``'s."""
-    if job.make_eval_batch is None:
-        return split_for_rank(job, global_batch(job, 0), world, rank, 0)
-    return split_for_rank(job, global_batch(job, 0, evaluation=True), world, rank, 0, "make_eval_batch")
+    return rank_batch(job, 0, world, rank, evaluation=job.make_eval_batch is not None)
 
 
 def global_mean(loss: torch.Tensor, ctx: DistContext) -> float:

@@ -144,6 +144,7 @@ def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn
                         f"expected: {_FUNCTIONS['build_model'][1]}")
     if dtype or job.dtype:
         convert_floating(model, dtype or job.dtype)
+    check_vocabulary(job, model)
     return model
 
 
@@ -184,13 +185,51 @@ def global_batch(job: Job, step: int, dtype: torch.dtype | None = None, evaluati
 
         x, y = global_batch(load_job("examples/mlp.py"), 0, torch.float64)
     """
-    batch = _call(job, "make_eval_batch" if evaluation else "make_batch", step)
+    return converted(job, _call(job, "make_eval_batch" if evaluation else "make_batch", step), dtype)
+
+
+def converted(job: Job, batch, dtype: torch.dtype | None = None):
+    """``batch`` with its floating-point leaves converted to ``dtype`` (default: the job's); integers left alone."""
     dtype = dtype or job.dtype
     if dtype is None:
         return batch
     return pytree.tree_map(
         lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, batch
     )
+
+
+def check_vocabulary(job: Job, model: torch.nn.Module) -> None:
+    """Refuse data whose vocabulary is larger than the model's input embedding (ids past its rows).
+
+    The job's batch makers that know their vocabulary (``sl.data.tokens``: ``vocab_size``) are checked
+    against the model's input embedding: ``get_input_embeddings()`` (Hugging Face), else its first
+    ``nn.Embedding``. A model built on meta is checked by shape alone.
+    """
+    makers = [m for m in (job.make_batch, job.make_eval_batch) if isinstance(getattr(m, "vocab_size", None), int)]
+    if not makers:
+        return
+    name, embedding = _input_embedding(model)
+    if embedding is None:
+        return
+    for maker in makers:
+        if maker.vocab_size > embedding.num_embeddings:
+            where = getattr(maker, "path", None) or repr(maker)
+            raise SpecError(f"job file {str(job.path)!r}: the data's vocabulary ({where}) has {maker.vocab_size} "
+                            f"tokens, more than the {embedding.num_embeddings} rows of the model's input embedding "
+                            f"{name!r}; ids up to {maker.vocab_size - 1} would index past it. Build the model with a "
+                            f"vocabulary of at least {maker.vocab_size}, or prepare the data with a smaller tokenizer")
+
+
+def _input_embedding(model: torch.nn.Module) -> tuple[str, torch.nn.Embedding | None]:
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            found = get()
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, torch.nn.Embedding):
+            return next((n for n, m in model.named_modules() if m is found), "input embedding"), found
+    return next(((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)), ("", None))
 
 
 def reference_optimizer(opt: SGD | Adam | AdamW, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

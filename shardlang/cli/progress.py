@@ -150,6 +150,12 @@ class RunReporter:
             self._bar.set_postfix_str(_bar_text(record), refresh=False)
             self._bar.update(1)
 
+    def evaluation(self, k: int, loss: float, line: str) -> None:
+        """Print an evaluation's ``line`` on rank 0, and write ``{"step": k, "val_loss": loss}`` to the metrics."""
+        self.warn(line)
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"step": k, "val_loss": loss}) + "\n")
+
     def warn(self, line: str) -> None:
         """Print ``line`` on rank 0 (above the bar, if there is one)."""
         if self._ctx.is_main:

@@ -49,13 +49,13 @@ from ..checkpoint import CheckpointDir
 from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
 from ..errors import CheckpointError, NonFiniteError, SpecError
-from .job import Job, build, global_batch, init_of, load_job
+from .job import Job, build, init_of, load_job
 from .progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
 from .args import output_file, positive, seconds
-from .common import eval_example, global_mean, load_checked, shown, split_for_rank, threads_per_rank
+from .common import eval_example, global_mean, load_checked, rank_batch, shown, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
 TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
@@ -284,7 +284,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
     peak = PeakMemory.start()
     checkpoints.check(ctx)
     model = build(job, seed)
-    example = split_for_rank(job, global_batch(job, 0), ctx.world_size, ctx.rank, 0)
+    example = rank_batch(job, 0, ctx.world_size, ctx.rank)
     init = init_of(job, seed, weights)
     step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
                        lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
@@ -314,7 +314,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
             from .profile import rank_path, trace_steps
 
             run_step = tracing.enter_context(trace_steps(step, rank_path(trace, ctx.rank)))
-        batch = split_for_rank(job, global_batch(job, k), ctx.world_size, ctx.rank, k)
+        batch = rank_batch(job, k, ctx.world_size, ctx.rank)
         begin = time.perf_counter()
         loss = run_step(batch)
         if ctx.device.type == "cuda":
@@ -338,7 +338,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
             if saved is not None:  # above the bar, if there is one
                 reporter.warn(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
         if eval_every is not None and (k + 1) % eval_every == 0:
-            _evaluate(step, job, k + 1, ctx, reporter.warn)
+            _evaluate(step, job, k + 1, ctx, reporter)
     tracing.close()
     reporter.close()
     if periodic is not None:
@@ -390,15 +390,14 @@ def _max_over_ranks(values: tuple[int, int], ctx: DistContext) -> tuple[int, int
     return int(t[0]), int(t[1])
 
 
-def _evaluate(step, job: Job, done: int, ctx: DistContext, say) -> None:
-    """Print the validation loss on ``make_eval_batch(done)``: the mean over ranks of their rows' losses."""
-    batch = split_for_rank(job, global_batch(job, done, evaluation=True), ctx.world_size, ctx.rank, done,
-                           "make_eval_batch")
+def _evaluate(step, job: Job, done: int, ctx: DistContext, reporter: RunReporter) -> None:
+    """Report the validation loss on ``make_eval_batch(done)``: the mean over ranks of their rows' losses."""
+    batch = rank_batch(job, done, ctx.world_size, ctx.rank, evaluation=True)
     first = not step.has_evaluation(batch)
     begin = time.perf_counter()
     loss = global_mean(step.evaluate(batch), ctx)
-    say(f"step {done}  val loss {loss:.6f}  time {(time.perf_counter() - begin) * 1e3:.1f} ms"
-        + ("  (compiled the evaluation)" if first else ""))
+    reporter.evaluation(done, loss, f"step {done}  val loss {loss:.6f}  time {(time.perf_counter() - begin) * 1e3:.1f} ms"
+                        + ("  (compiled the evaluation)" if first else ""))
 
 
 def _printer(ctx: DistContext):
