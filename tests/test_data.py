@@ -12,7 +12,6 @@ the file and the value.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
