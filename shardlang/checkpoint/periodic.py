@@ -54,8 +54,10 @@ class Periodic:
             self.directory.run_id = resumed_run
         return restored
 
-    def after_step(self, step, steps_done: int, *, last: bool = False) -> Path | None:
-        """Save when ``steps_done`` is a multiple of ``every`` or ``last``; the checkpoint's path, or None."""
+    def after_step(self, step, steps_done: int, *, last: bool = False, data_state=None) -> Path | None:
+        """Save when ``steps_done`` is a multiple of ``every`` or ``last``; the checkpoint's path, or None.
+
+        ``data_state`` gives the data loader's state to keep with it (a function: called only when saving)."""
         if not (last or (self.every and steps_done % self.every == 0)):
             return None
         from .saving import save, save_async  # torch.distributed.checkpoint: imported when first used
@@ -65,10 +67,12 @@ class Periodic:
         if step.dist.rank == 0 and not self.saved:  # what a killed run left; this run's failed saves clean up
             self.directory.remove_unfinished()
         run = self.directory.run_id
+        loader = data_state() if data_state is not None else None
         if self.asynchronous:
-            self.pending = save_async(step, path, data_position=steps_done, run=run, checkpointer=self.checkpointer)
+            self.pending = save_async(step, path, data_position=steps_done, run=run, checkpointer=self.checkpointer,
+                                      data_state=loader)
         else:
-            save(step, path, data_position=steps_done, run=run)
+            save(step, path, data_position=steps_done, run=run, data_state=loader)
             self._done(step, path)
         return path
 

@@ -49,8 +49,9 @@ from .background import AsyncSave, Checkpointer, wait_for_saves
 from .checksums import ChecksummingWriter
 from .planner import EntryLoadPlanner
 from .untrusted import SafeReader
-from .state_dict import (DATA_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, meta, schedule_from_saved,
-                         model_entries, optimizer_entries, own_entries, param_groups, set_rng)
+from .state_dict import (DATA_KEY, DATA_STATE_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, data_state_from_json,
+                         meta, model_entries, optimizer_entries, own_entries, param_groups, schedule_from_saved,
+                         set_rng)
 
 #: DCP writer threads per rank (`FileSystemWriter(thread_count=...)`), chosen by measurement (docs/benchmarks.md).
 WRITER_THREADS = 2
@@ -71,26 +72,29 @@ class Restored:
     world_size: int | None
     spec: dict | None
     foreign: bool
+    data_state: dict | None = None  # the data loader's state_dict saved with it (Note [loader batches])
 
 
-def state_dict(step, data_position: int | None = None) -> dict:
+def state_dict(step, data_position: int | None = None, data_state: dict | None = None) -> dict:
     """The state dict `save` writes (Note [checkpoint keys]): views of the step's own storage."""
     position = step.steps_done if data_position is None else data_position
     return {
         "model": model_entries(step),
         "optimizer": {"state": optimizer_entries(step), "param_groups": param_groups(step)},
-        "shardlang": own_entries(step, position),
+        "shardlang": own_entries(step, position, data_state),
     }
 
 
-def save(step, path, *, data_position: int | None = None, run: str | None = None) -> Path:
+def save(step, path, *, data_position: int | None = None, run: str | None = None,
+         data_state: dict | None = None) -> Path:
     """Write ``step``'s state to the checkpoint directory ``path`` (a collective: every rank calls it).
 
-    ``data_position`` is the job's position in its data (default: the steps done); ``run`` the id of
-    the run that saves, recorded in the manifest (Note [replacing a checkpoint] in `store`).
+    ``data_position`` is the job's position in its data (default: the steps done); ``data_state`` its
+    data loader's ``state_dict()`` (saved as JSON, given back by `load`); ``run`` the id of the run
+    that saves, recorded in the manifest (Note [replacing a checkpoint] in `store`).
     """
     path, ctx = Path(path), step.dist
-    sd = state_dict(step, data_position)
+    sd = state_dict(step, data_position, data_state)
     tmp, writer, planner = background.start_write(step, path, None, threads=WRITER_THREADS)
 
     def upload():
@@ -100,7 +104,7 @@ def save(step, path, *, data_position: int | None = None, run: str | None = None
 
 
 def save_async(step, path, *, data_position: int | None = None, run: str | None = None,
-               checkpointer: Checkpointer | str = Checkpointer.THREAD) -> AsyncSave:
+               checkpointer: Checkpointer | str = Checkpointer.THREAD, data_state: dict | None = None) -> AsyncSave:
     """Stage ``step``'s state now and write it in the background (a collective, as `save`; Note [async saves]).
 
     ``checkpointer`` is ``"thread"`` or ``"process"`` (DCP's checkpointer process per rank). A save
@@ -108,7 +112,7 @@ def save_async(step, path, *, data_position: int | None = None, run: str | None 
     """
     checkpointer = Checkpointer.parse(checkpointer)
     path, ctx = Path(path), step.dist
-    sd = state_dict(step, data_position)
+    sd = state_dict(step, data_position, data_state)
     return background.save_async(step, sd, path, checkpointer, threads=WRITER_THREADS,
                                  publish=functools.partial(_publish, ctx=ctx, record=_record(sd, ctx, run)))
 
@@ -227,7 +231,7 @@ def _targets(step, saved) -> tuple[dict, set[str]]:
     for g, group in enumerate(groups):
         optional.update(f"optimizer.param_groups.{g}.{k}" for k in group)
     own: dict[str, object] = {"step_count": torch.zeros((), dtype=torch.float64), "data_position": 0, "meta": "",
-                              "lr_schedule": ""}
+                              "lr_schedule": "", "data_state": ""}
     optional.update(f"shardlang.{k}" for k in own)
     if step.random is not None:
         key = next((k for k in (f"shardlang.rng.rank{step.dist.rank}", "shardlang.rng.rank0") if k in saved), None)
@@ -277,8 +281,10 @@ def _apply(step, target: dict, saved, path: Path) -> Restored:
         set_rng(step.random, next(iter(own["rng"].values())))
     record = json.loads(own["meta"]) if not foreign else {}
     steps = step.steps_done
+    data_state = data_state_from_json(own["data_state"], str(path)) if DATA_STATE_KEY in saved else None
     return Restored(path=path, steps=steps, data_position=own["data_position"] if DATA_KEY in saved else steps,
-                    world_size=record.get("world_size"), spec=record.get("spec"), foreign=foreign)
+                    world_size=record.get("world_size"), spec=record.get("spec"), foreign=foreign,
+                    data_state=data_state)
 
 
 def _apply_param_groups(step, groups: list[dict], saved, path: Path) -> None:

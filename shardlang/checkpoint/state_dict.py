@@ -13,6 +13,7 @@ plus shardlang's own:
     shardlang.lr_schedule                         the lr scheduler's state_dict (a JSON string; never a pickle)
     shardlang.rng.rank<r>                         rank r's step generator (only with random ops)
     shardlang.data_position                       the next global batch the job reads (an int)
+    shardlang.data_state                          the job's data loader's state_dict, when it has one (JSON)
     shardlang.meta                                JSON: format, world size, mesh, spec, strategies, for the record
 
 Parameters and optimizer state are `layout.Entry` values (this rank's chunks of the
@@ -23,6 +24,7 @@ checkpoint load under another layout (resharding is DCP's, Note [chunks of a fla
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 
@@ -38,6 +40,8 @@ META_KEY = "shardlang.meta"
 STEP_KEY = "shardlang.step_count"
 SCHEDULE_KEY = "shardlang.lr_schedule"
 DATA_KEY = "shardlang.data_position"
+DATA_STATE_KEY = "shardlang.data_state"
+TENSOR_TAG = "__shardlang_tensor__"  # a tensor inside a loader's state, as JSON
 HYPER_CHECKED = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")  # compiled in; must agree
 
 
@@ -135,11 +139,13 @@ def _torch_group(opt) -> dict[str, object]:
     return {k: v for k, v in torch_opt.param_groups[0].items() if k != "params"}
 
 
-def own_entries(step, data_position: int) -> dict[str, object]:
+def own_entries(step, data_position: int, data_state: dict | None = None) -> dict[str, object]:
     """shardlang's own keys (Note [checkpoint keys]), as a nested dict under ``shardlang``."""
     state = step.state
     own: dict[str, object] = {"step_count": state.step_count, "data_position": int(data_position),
                               "meta": json.dumps(meta(step), sort_keys=True)}
+    if data_state is not None:
+        own["data_state"] = data_state_to_json(data_state)
     if step.lr_schedule is not None:
         own["lr_schedule"] = schedule_to_json(step.lr_schedule.scheduler.state_dict())
     if step.random is not None:
@@ -178,6 +184,63 @@ def schedule_to_json(state: dict) -> str:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the lr scheduler's state_dict cannot be saved as JSON ({exc}); a checkpoint keeps "
                               "numbers, strings, lists and dicts of the scheduler, never pickled objects") from None
+
+
+def data_state_to_json(state) -> str:
+    """A data loader's ``state_dict`` as JSON: numbers, strings, lists, dicts and tensors (tagged, base64).
+
+    Nothing is pickled (Note [checkpoints run no code]); a value of another kind is a `CheckpointError`.
+
+    >>> data_state_to_json({"position": 3, "loader": {"_num_yielded": 3, "seen": (1, 2)}})
+    '{"loader": {"_num_yielded": 3, "seen": [1, 2]}, "position": 3}'
+    """
+    def encode(value):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            return {TENSOR_TAG: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                 "data": base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode()}}
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise TypeError(f"a dict with keys {[k for k in value if not isinstance(k, str)][:3]} (not strings)")
+            return {k: encode(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [encode(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError(f"a {type(value).__name__}")
+
+    try:
+        return json.dumps(encode(state), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the data loader's state_dict cannot be saved as JSON: it holds {exc}; a checkpoint "
+                              "keeps numbers, strings, lists, dicts and tensors of it, never pickled objects") from None
+
+
+def data_state_from_json(text: str, where: str) -> dict:
+    """The loader state `data_state_to_json` wrote, read as untrusted JSON; a `CheckpointError` names ``where``."""
+    def decode(value):
+        if isinstance(value, dict):
+            if set(value) == {TENSOR_TAG}:
+                spec = value[TENSOR_TAG]
+                dtype = getattr(torch, str(spec.get("dtype")), None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"tensor dtype {spec.get('dtype')!r}")
+                raw = torch.frombuffer(bytearray(base64.b64decode(spec["data"], validate=True)), dtype=torch.uint8)
+                return raw.view(dtype).reshape([int(n) for n in spec["shape"]]).clone()
+            return {k: decode(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [decode(v) for v in value]
+        return value
+
+    try:
+        state = decode(json.loads(text))
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: {DATA_STATE_KEY} is not a data loader state this shardlang wrote ({exc})",
+                              path=where, key=DATA_STATE_KEY) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: {DATA_STATE_KEY} is a {type(state).__name__}, not a dict", path=where,
+                              key=DATA_STATE_KEY)
+    return state
 
 
 def schedule_from_saved(value, where: str) -> dict:

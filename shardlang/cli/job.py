@@ -5,6 +5,7 @@ A job file defines these module-level names (docs/cli.md, "Job files")::
     def build_model() -> torch.nn.Module: ...        # after torch.manual_seed(seed); may build on torch.device('meta')
     def loss_fn(model, batch) -> torch.Tensor: ...   # scalar loss, mean-reduced over the (per-rank) batch
     def make_batch(step: int): ...                   # the GLOBAL batch for `step`: a tensor or pytree of tensors
+    data = DataLoader(...)                           # or, instead of make_batch: an iterable of global batches
     spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))            # optional (this is the default)
     optimizer = sl.AdamW(lr=1e-3)                    # optional (this is the default)
     dtype = torch.float32                            # optional: convert the model and floating batch leaves
@@ -43,6 +44,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..compiler import Adam, AdamW, SGD
+from ..data.loaders import LoaderBatches
 from ..errors import ShardlangError, SpecError
 from ..step.materialize import Init, has_meta, materialize_module
 from ..spec.mesh import Mesh
@@ -53,7 +55,8 @@ JOB_FORM = """\
 a job file defines, at module level:
     def build_model() -> torch.nn.Module: ...
     def loss_fn(model, batch) -> torch.Tensor: ...
-    def make_batch(step: int): ...            # the global batch for `step`
+    def make_batch(step: int): ...            # the global batch for `step` (or sl.data.tokens(DIR, ...))
+    data = DataLoader(...)                    # instead of make_batch: an iterable of global batches
     spec = sl.Spec(mesh=sl.Mesh(fsdp=-1))     # optional
     optimizer = sl.AdamW(lr=1e-3)             # optional
     dtype = torch.float32                     # optional
@@ -306,12 +309,18 @@ def _describe(exc: Exception, file: Path) -> str:
 
 
 def _job_from_module(module, file: Path, shown: str) -> Job:
-    missing = [name for name in _FUNCTIONS if not hasattr(module, name)]
+    data = getattr(module, "data", None)
+    if data is not None and hasattr(module, "make_batch"):
+        raise SpecError(f"job file {shown!r} defines both make_batch and data; define one: make_batch(step) gives "
+                        "global batch `step`, data is an iterable of global batches (a DataLoader)")
+    given = {*vars(module), *(["make_batch"] if data is not None else [])}
+    missing = [name for name in _FUNCTIONS if name not in given]
     if missing:
         names = ", ".join(missing)
         raise SpecError(f"job file {shown!r} does not define {names}; {JOB_FORM}")
+    make_batch = LoaderBatches(data, f"job file {shown!r}: data") if data is not None else module.make_batch
     for name, (nargs, form) in _FUNCTIONS.items():
-        _check_function(getattr(module, name), name, nargs, form, shown)
+        _check_function(make_batch if name == "make_batch" else getattr(module, name), name, nargs, form, shown)
     spec = getattr(module, "spec", None)
     if spec is None:
         spec = default_spec()
@@ -344,7 +353,7 @@ def _job_from_module(module, file: Path, shown: str) -> Job:
     make_eval_batch = getattr(module, "make_eval_batch", None)
     if make_eval_batch is not None:
         _check_function(make_eval_batch, "make_eval_batch", 1, "def make_eval_batch(step: int)", shown)
-    return Job(file, module.build_model, module.loss_fn, module.make_batch, spec, optimizer, dtype, lr_schedule,
+    return Job(file, module.build_model, module.loss_fn, make_batch, spec, optimizer, dtype, lr_schedule,
                init_weights, weights, make_eval_batch)
 
 

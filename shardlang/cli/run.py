@@ -300,6 +300,9 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
             say(f"no checkpoint in {checkpoints.directory} yet: starting at step 1")
         else:
             first = restored.data_position
+            restore = getattr(job.make_batch, "restore", None)
+            if callable(restore):  # a job's `data` loader (Note [loader batches])
+                restore(first, restored.data_state, say)
             by = ("not written by shardlang" if restored.world_size is None else
                   f"written by {restored.world_size} rank{'s' if restored.world_size != 1 else ''}")
             say(f"resumed from {restored.path} (step {restored.steps}, {by})")
@@ -334,7 +337,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
                     "saving this step's state. Lower the learning rate, check the data, or skip such updates "
                     "with Options(skip_nonfinite=True)", step=k + 1, count=nonfinite_steps)
         if periodic is not None:
-            saved = periodic.after_step(step, k + 1, last=k + 1 == steps)
+            saved = periodic.after_step(step, k + 1, last=k + 1 == steps, data_state=getattr(job.make_batch, "state", None))
             if saved is not None:  # above the bar, if there is one
                 reporter.warn(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
         if eval_every is not None and (k + 1) % eval_every == 0:

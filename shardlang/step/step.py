@@ -341,19 +341,21 @@ class Step:
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
 
-    def save(self, path, *, data_position: int | None = None):
+    def save(self, path, *, data_position: int | None = None, data_state: dict | None = None):
         """Write a checkpoint of this rank's state to the directory ``path`` (a collective: every rank calls it).
 
         Every rank writes only its own shards; the directory appears only once complete
-        (docs/checkpoints.md). ``data_position`` (default: the steps done) is given back by `load`.
+        (docs/checkpoints.md). ``data_position`` (default: the steps done) and ``data_state`` (a data
+        loader's ``state_dict()``, kept as JSON) are given back by `load`.
 
-        Example: ``step.save("ckpt/step-3")``.
+        Example: ``step.save("ckpt/step-3", data_state=loader.state_dict())``.
         """
         from ..checkpoint import save
 
-        return save(self, path, data_position=data_position)
+        return save(self, path, data_position=data_position, data_state=data_state)
 
-    def save_async(self, path, *, data_position: int | None = None, checkpointer: str = "thread"):
+    def save_async(self, path, *, data_position: int | None = None, checkpointer: str = "thread",
+                   data_state: dict | None = None):
         """As `save`, but write in the background: returns an `AsyncSave` (``.wait()``); training may go on.
 
         The state is staged first (copied by DCP's stager, between steps), so later steps do not change
@@ -361,7 +363,7 @@ class Step:
         """
         from ..checkpoint import save_async
 
-        return save_async(self, path, data_position=data_position, checkpointer=checkpointer)
+        return save_async(self, path, data_position=data_position, checkpointer=checkpointer, data_state=data_state)
 
     def load(self, path):
         """Read the checkpoint at ``path`` into this step's state (a collective), whatever layout wrote it.
