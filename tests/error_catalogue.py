@@ -295,6 +295,7 @@ R = sl.ShardlangRuntimeError
 T = sl.TraceError
 C = CommandLineError
 K = sl.CheckpointError
+D = sl.DataError
 
 CATALOGUE: tuple[BadInput, ...] = (
     # spec
@@ -498,7 +499,69 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("cli-diff-not-a-plan", "CLI", "`shardlang diff other.json JOB`, other.json not a plan",
              lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
              ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
+    BadInput("data-missing-index", "data", "`sl.data.tokens('<tmp>/data', seq_len=8, global_batch=2)`, never prepared",
+             lambda tmp: sl.data.tokens(_mkdir(tmp / "data"), seq_len=8, global_batch=2), D,
+             ("<tmp>/data", "has no index.json", "shardlang data prepare")),
+    BadInput("data-damaged-shard", "data", "`sl.data.tokens(D, ...)`, a byte of D/train-00000.npy changed after "
+             "preparing", lambda tmp: sl.data.tokens(_damaged_shard(tmp), seq_len=8, global_batch=2), D,
+             ("train-00000.npy", "checksum", "differs", "prepare the data again")),
+    BadInput("data-seq-len", "data", "`sl.data.tokens(D, seq_len=4096, global_batch=2)` on 48 tokens",
+             lambda tmp: sl.data.tokens(_prepared(tmp), seq_len=4096, global_batch=2), D,
+             ("split 'train'", "48 tokens", "seq_len + 1 = 4,097")),
+    BadInput("data-vocabulary", "data", "`shardlang run JOB`, JOB's make_batch = sl.data.tokens(D, ...) over 256 byte "
+             "tokens and an Embedding(16, 4)", lambda tmp: cli("run", _vocab_job(tmp)), C,
+             ("256 tokens", "16 rows", "'emb'", "index.json")),
+    BadInput("data-jsonl-field", "data", "`shardlang data prepare a.jsonl --out D`, a line without a text field",
+             lambda tmp: cli("data", "prepare", _write(tmp, '{"body": "x"}\n', "a.jsonl"), "--out", str(tmp / "D")), C,
+             ("<tmp>/a.jsonl:1", "no 'text' field", "['body']", "--text-field")),
+    BadInput("data-tokenizer", "data", "shardlang data prepare a.txt --out D --tokenizer gpt2",
+             lambda tmp: cli("data", "prepare", _write(tmp, "text", "a.txt"), "--out", str(tmp / "D"),
+                             "--tokenizer", "gpt2"), C, ("'gpt2'", "byte", "train-bpe:VOCAB", "tokenizer.json")),
 )
+
+
+def _prepared(tmp: Path) -> Path:
+    """48 byte tokens prepared in tmp/data (three documents)."""
+    from shardlang.data import prepare
+
+    (tmp / "in").mkdir()
+    for i, text in enumerate(("fifteen letters", "and fifteen mor", "then fifteen ok")):
+        (tmp / "in" / f"{i}.txt").write_text(text)
+    prepare([str(tmp / "in")], tmp / "data", val_fraction=0.0, workers=1, progress=False)
+    return tmp / "data"
+
+
+def _damaged_shard(tmp: Path) -> Path:
+    data = _prepared(tmp)
+    shard = data / "train-00000.npy"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    return data
+
+
+def _vocab_job(tmp: Path) -> str:
+    data = _prepared(tmp)
+    return _write(tmp, textwrap.dedent(f"""
+        import torch
+        import shardlang as sl
+
+        class Tiny(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = torch.nn.Embedding(16, 4)
+
+            def forward(self, x):
+                return self.emb(x).sum()
+
+        def build_model():
+            return Tiny()
+
+        def loss_fn(model, batch):
+            return model(batch)
+
+        make_batch = sl.data.tokens({str(data)!r}, seq_len=8, global_batch=2)
+        """), "job.py")
 
 
 def _bytes(path: Path, data: bytes) -> Path:
@@ -514,13 +577,13 @@ def _write(tmp: Path, text: str, name: str = "bad_job.py") -> str:
 
 # ---- the page -----------------------------------------------------------------------------------------------------
 
-AREAS = ("spec", "model", "batch", "job file", "checkpoint", "weights", "launcher", "CLI")
+AREAS = ("spec", "model", "batch", "job file", "checkpoint", "weights", "data", "launcher", "CLI")
 
 INTRO = """\
 # Errors: a catalogue of bad inputs
 
 Every error shardlang raises on purpose is a `shardlang.errors.ShardlangError`
-(`SpecError`, `TraceError`, `CompileError`, `ShardlangRuntimeError`), and its
+(`SpecError`, `TraceError`, `CompileError`, `ShardlangRuntimeError`, `DataError`), and its
 message says three things: the offending value, where it came from, and what
 would be valid. Trace and compile errors also name the line of your code and
 the module (its name in `model.named_modules()`) they came from, and what to do

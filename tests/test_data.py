@@ -209,7 +209,8 @@ def test_resume_mid_epoch_is_exact_and_another_world_size_reads_the_same_batches
 
 
 def test_a_missing_index_names_the_directory_and_the_command(tmp_path):
-    with pytest.raises(DataError, match=r"'nowhere' does not exist .*`shardlang data prepare INPUT\.\.\. --out nowhere`"):
+    with pytest.raises(DataError, match=r"'nowhere' does not exist .*`shardlang data prepare INPUT\.\.\. "
+                                        r"--out nowhere`"):
         sl.data.tokens("nowhere", seq_len=8, global_batch=2)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"has no index.json"):

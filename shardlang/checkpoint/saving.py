@@ -49,8 +49,8 @@ from .background import AsyncSave, Checkpointer, wait_for_saves
 from .checksums import ChecksummingWriter
 from .planner import EntryLoadPlanner
 from .untrusted import SafeReader
-from .state_dict import (DATA_KEY, DATA_STATE_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY, data_state_from_json,
-                         meta, model_entries, optimizer_entries, own_entries, param_groups, schedule_from_saved,
+from .state_dict import (DATA_KEY, DATA_STATE_KEY, HYPER_CHECKED, META_KEY, SCHEDULE_KEY, STEP_KEY,
+                         data_state_from_json, meta, model_entries, optimizer_entries, own_entries, param_groups, schedule_from_saved,
                          set_rng)
 
 #: DCP writer threads per rank (`FileSystemWriter(thread_count=...)`), chosen by measurement (docs/benchmarks.md).

@@ -337,7 +337,8 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
                     "saving this step's state. Lower the learning rate, check the data, or skip such updates "
                     "with Options(skip_nonfinite=True)", step=k + 1, count=nonfinite_steps)
         if periodic is not None:
-            saved = periodic.after_step(step, k + 1, last=k + 1 == steps, data_state=getattr(job.make_batch, "state", None))
+            saved = periodic.after_step(step, k + 1, last=k + 1 == steps,
+                                        data_state=getattr(job.make_batch, "state", None))
             if saved is not None:  # above the bar, if there is one
                 reporter.warn(f"checkpoint {'writing' if checkpoints.asynchronous else 'saved'}: {saved}")
         if eval_every is not None and (k + 1) % eval_every == 0:
@@ -399,8 +400,8 @@ def _evaluate(step, job: Job, done: int, ctx: DistContext, reporter: RunReporter
     first = not step.has_evaluation(batch)
     begin = time.perf_counter()
     loss = global_mean(step.evaluate(batch), ctx)
-    reporter.evaluation(done, loss, f"step {done}  val loss {loss:.6f}  time {(time.perf_counter() - begin) * 1e3:.1f} ms"
-                        + ("  (compiled the evaluation)" if first else ""))
+    line = f"step {done}  val loss {loss:.6f}  time {(time.perf_counter() - begin) * 1e3:.1f} ms"
+    reporter.evaluation(done, loss, line + ("  (compiled the evaluation)" if first else ""))
 
 
 def _printer(ctx: DistContext):

@@ -38,7 +38,7 @@ from .index import TokenIndex, read_index
 
 
 class TokenBatches:
-    """Global batch ``k`` of prepared data (Note [token batches]): ``batches(k)`` is a ``(B, seq_len + 1)`` int64 tensor.
+    """Global batch ``k`` of prepared data (Note [token batches]): ``batches(k)``, a ``(B, seq_len + 1)`` int64 tensor.
 
     ``rows(k, start, stop)`` gives rows ``start:stop`` of it, reading only those: the local launcher and
     torchrun ranks call it for their own rows. ``vocab_size`` and ``eod`` are the data's.
@@ -59,8 +59,8 @@ class TokenBatches:
         self.sequences = total // (seq_len + 1)
         if self.sequences == 0:
             raise DataError(f"{self.index.path}: split {split!r} holds {total:,} tokens, fewer than one sequence of "
-                            f"seq_len + 1 = {seq_len + 1:,}; use a seq_len below {max(total - 1, 1):,}, or prepare "
-                            "more data (or a larger --val-fraction for the validation split)", path=self.index.path)
+                            f"seq_len + 1 = {seq_len + 1:,}; use a seq_len of at most {max(total - 1, 1):,}, or "
+                            "prepare more data (or a larger --val-fraction for the validation split)", path=self.index.path)
         self._order: tuple[int, torch.Tensor] | None = None
         self._order_lock = threading.Lock()
         self._ahead: dict[tuple[int, int, int], Future] = {}
