@@ -17,10 +17,23 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import attrs
 
 from ..compiler import COMPUTE_PRESETS, CostModel, LINK_PRESETS
+
+
+def add_spec_argument(parser) -> None:
+    """``--spec FILE``: a spec TOML file in place of the job's ``spec`` (``run``, ``plan``, ``check``)."""
+    parser.add_argument("--spec", metavar="FILE", default=None,
+                        help="a spec TOML file (its [shardlang] table, or the whole file; `shardlang tune` writes "
+                             "one) used in place of the job file's spec")
+
+
+def spec_path(args) -> str | None:
+    """``--spec`` made absolute (ranks may start elsewhere), or None."""
+    return str(Path(args.spec).resolve()) if args.spec else None
 
 
 def positive(what: str):

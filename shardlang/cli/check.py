@@ -29,7 +29,7 @@ from .job import Job, build, build_reference, global_batch, init_of, load_job, r
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
 from ..spec.training import torch_param_groups
-from .args import positive, world_sizes
+from .args import add_spec_argument, positive, spec_path, world_sizes
 from .common import global_mean, shown, split_for_rank, threads_per_rank
 
 DEFAULT_CHECK_STEPS = 3
@@ -143,6 +143,7 @@ def add_parser(subparsers) -> None:
                     "global batches; compare the parameters. Exit 1 if any world size is outside the tolerance "
                     "for the dtype.")
     parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
+    add_spec_argument(parser)
     parser.add_argument("--world-sizes", metavar="N,N,...", type=world_sizes, default=(1, 2, 4),
                         help="comma-separated world sizes (default 1,2,4)")
     parser.add_argument("--steps", metavar="K", type=positive("a number of steps"), default=DEFAULT_CHECK_STEPS,
@@ -159,7 +160,7 @@ def add_parser(subparsers) -> None:
 
 def main(args) -> int:
     """Train sharded and with torch.optim, compare, print the table; 0 when every world size passes, else 1."""
-    job = load_job(args.file)
+    job = load_job(args.file, spec_path(args))
     dtype = DTYPES[args.dtype] if args.dtype else None
     weights = str(Path(args.weights).resolve()) if args.weights else None
     reference = build_reference(job, args.seed, dtype, weights)
@@ -195,6 +196,7 @@ def main(args) -> int:
             losses, params = _train_sharded(DistContext.single(), job, batches, args.seed, dtype, weights)
         else:
             losses, params = launch(_check_rank, world, str(job.path), batches, args.seed, args.dtype, weights,
+                                    spec_path(args),
                                     timeout=None, threads=threads_per_rank(world),
                                     name=f"shardlang check {shown(job.path)} at world size {world}")[0]
         diff, worst = scaled_difference(params, ref_params, movement)
@@ -215,10 +217,10 @@ def main(args) -> int:
 
 
 def _check_rank(ctx: DistContext, path: str, batches: list, seed: int, dtype_name: str | None,
-                weights: str | None = None):
+                weights: str | None = None, spec_file: str | None = None):
     """One rank of ``shardlang check`` (module level: the launcher pickles it by reference)."""
     dtype = DTYPES[dtype_name] if dtype_name else None
-    return _train_sharded(ctx, load_job(path), batches, seed, dtype, weights)
+    return _train_sharded(ctx, load_job(path, spec_file), batches, seed, dtype, weights)
 
 
 def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: torch.dtype | None,

@@ -20,9 +20,9 @@ from .job import Job, converted, global_batch, load_job
 from ..runtime.dist import DistContext
 
 
-def load_checked(path: str, world: int) -> Job:
+def load_checked(path: str, world: int, spec_file: str | None = None) -> Job:
     """Load the job and check that its first global batch splits over ``world`` ranks, before any rank starts."""
-    job = load_job(path)
+    job = load_job(path, spec_file)
     split_for_rank(job, global_batch(job, 0), world, 0, 0)
     return job
 

@@ -107,8 +107,11 @@ class Job:
     make_eval_batch: Callable[[int], Any] | None = None  # the global validation batch after `step` steps
 
 
-def load_job(path: str | Path) -> Job:
+def load_job(path: str | Path, spec_file: str | Path | None = None) -> Job:
     """Import the job file at ``path`` and check the names it must define.
+
+    ``spec_file`` (the command line's ``--spec``, e.g. what ``shardlang tune`` wrote) is a TOML spec
+    that replaces the job's ``spec``.
 
     Raises `SpecError` when the file does not exist, fails to import (the
     message carries the original error and the line of the job file it came
@@ -126,7 +129,17 @@ def load_job(path: str | Path) -> Job:
                         "give the path of a Python file, e.g. examples/mlp.py")
     file = file.resolve()
     module = _import_file(file, shown=str(path))
-    return _job_from_module(module, file, shown=str(path))
+    job = _job_from_module(module, file, shown=str(path))
+    return job if spec_file is None else attrs.evolve(job, spec=read_spec_file(spec_file))
+
+
+def read_spec_file(path: str | Path) -> Spec:
+    """The spec of the TOML file ``path`` (its ``[shardlang]`` table, or the whole file); a `SpecError` names it."""
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError(f"--spec {str(path)!r} does not exist (looked at {file.resolve()}); give a spec TOML file, "
+                        "e.g. one written by `shardlang tune` or by Spec.to_toml()")
+    return Spec.from_toml(file)
 
 
 def build(job: Job, seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:

@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 from .. import api
 from ..compiler import CostModel
 from .job import build, global_batch, load_job
-from .args import add_model_arguments, byte_size, cost_model, nonnegative_int, output_file, positive, recompute_rule
+from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, output_file, positive,
+                   recompute_rule, spec_path)
 from .common import eval_example, shown, split_for_rank
 
 
@@ -39,6 +40,7 @@ def add_parser(subparsers) -> None:
         "plan", help="print the schedule for N ranks without starting any process",
         description="Compile FILE's job for N ranks with fake tensors and print its schedule.")
     parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
+    add_spec_argument(parser)
     parser.add_argument("--world", metavar="N", type=positive("a world size"), required=True, help="world size")
     parser.add_argument("--batch-step", metavar="K", type=nonnegative_int("a step"), default=0,
                         help="plan for the shape of make_batch(K)'s per-rank batch (default 0); the collectives are "
@@ -70,7 +72,8 @@ def main(args) -> int:
     model = cost_model(args)
     with quiet:
         job, plan = plan_job(args.file, args.world, model, memory_budget=args.memory_budget,
-                             recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval)
+                             recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval,
+                             spec_file=spec_path(args))
         _write_pictures(args, plan)
     if args.json:
         stdout.write(plan.to_json(indent=2) + "\n")
@@ -85,7 +88,7 @@ def main(args) -> int:
 
 
 def plan_job(path, world: int, model: CostModel, memory_budget: int | None = None, recompute=None,
-             batch_step: int = 0, evaluate: bool = False):
+             batch_step: int = 0, evaluate: bool = False, spec_file: str | None = None):
     """Plan a job file for ``world`` ranks with fake tensors, for the batch of ``batch_step``: (job, `Plan`).
 
     ``memory_budget`` and ``recompute`` (a list of ``(pattern, policy)``)
@@ -96,7 +99,7 @@ def plan_job(path, world: int, model: CostModel, memory_budget: int | None = Non
     """
     from ..compiler import make_plan
 
-    job = load_job(path)
+    job = load_job(path, spec_file)
     spec = job.spec
     if recompute is not None:
         spec = attrs.evolve(spec, recompute=recompute)

@@ -54,7 +54,7 @@ from .progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
-from .args import output_file, positive, seconds
+from .args import add_spec_argument, output_file, positive, seconds, spec_path
 from .common import eval_example, global_mean, load_checked, rank_batch, shown, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
@@ -76,6 +76,7 @@ def add_parser(subparsers) -> None:
                         help=f"training steps (default {DEFAULT_RUN_STEPS})")
     parser.add_argument("--seed", metavar="S", type=int, default=0,
                         help="seed for build_model and for initialising a model built on meta (default 0)")
+    add_spec_argument(parser)
     parser.add_argument("--weights", metavar="PATH", default=None,
                         help="load the parameters from a safetensors file or a Hugging Face checkpoint directory "
                              "(each rank reads only its slices); overrides the job file's `weights`")
@@ -128,11 +129,12 @@ class RunFlags:
     trace: str | None = None  # a Chrome trace of the last steps, rank 0's path
     eval_every: int | None = None
     max_nonfinite: int | None = None  # None: 1, or no limit under Options(skip_nonfinite=True)
+    spec_file: str | None = None  # --spec: a TOML spec in place of the job's
 
     @classmethod
     def from_args(cls, args, trace: str | None = None) -> RunFlags:
         return cls(args.steps, args.seed, trace if trace is not None else args.trace, args.eval_every,
-                   args.max_nonfinite)
+                   args.max_nonfinite, spec_path(args))
 
 
 @attrs.frozen
@@ -248,7 +250,7 @@ def _progress(args) -> ProgressOptions:
 
 def _load(args, world: int) -> Job:
     """The job, with its first batches checked, and ``make_eval_batch`` when ``--eval-every`` needs it."""
-    job = load_checked(args.file, world)
+    job = load_checked(args.file, world, spec_path(args))
     if args.eval_every is not None:
         if job.make_eval_batch is None:
             raise SpecError(f"--eval-every {args.eval_every}: job file {shown(job.path)} defines no make_eval_batch; "
@@ -261,7 +263,7 @@ def _load(args, world: int) -> Job:
 def _run_rank(ctx: DistContext, path: str, flags: RunFlags, checkpoints: Checkpointing = Checkpointing(),
               weights: str | None = None, progress: ProgressOptions = ProgressOptions()) -> None:
     """One rank of ``shardlang run`` under the local launcher (module level: pickled by reference)."""
-    _train(ctx, load_job(path), flags, checkpoints, weights, progress)
+    _train(ctx, load_job(path, flags.spec_file), flags, checkpoints, weights, progress)
 
 
 def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointing = Checkpointing(),
