@@ -7,11 +7,17 @@ on a 1-D mesh), the payload bytes of each collective are (docs/strategies.md):
 =========  ===============================  ==============  ========================
 strategy   all_gather                       reduce_scatter  all_reduce
 =========  ===============================  ==============  ========================
-ZERO3      P, plus P if re-gathered          P               P / S across replicas
-ZERO2      P                                P               P / S across replicas
-ZERO1      P (the updated shards)           P               P / S across replicas
-DDP        0                                0               its unpadded bytes
+ZERO3      Pg, plus Pg if re-gathered        Pr              Pr / S across replicas
+ZERO2      Pg                               Pr              Pr / S across replicas
+ZERO1      P (the updated shards)           Pr              Pr / S across replicas
+DDP        0                                0               its unpadded bytes, reduce dtype
 =========  ===============================  ==============  ========================
+
+Under mixed precision the bytes follow the dtypes (``FlatSummary.gathered_bytes``,
+``reduced_bytes``): Pg is P in ``param_dtype`` (gathers move what is computed
+with), Pr in the dtype gradients are reduced in (``reduce_dtype``, else
+``param_dtype``); ZERO1 gathers its updated master shards, in the master dtype.
+Without mixed precision Pg = Pr = P.
 
 Frozen flat parameters have no reduce-scatter, no all-reduce and (ZERO1) no
 gather of updated shards; a frozen ZERO3 / ZERO2 flat parameter is still
@@ -66,23 +72,22 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
         row = {k.value: 0 for k in COLLECTIVE_KINDS}
         if f.strategy is Strategy.DDP or not f.sharded:
             if f.trainable and not schedule.is_evaluation and f.name not in elided:
-                row["all_reduce"] = f.numel * f.element_size
+                row["all_reduce"] = f.numel * (f.reduce_element_size or f.element_size)
             out[f.name] = row
             continue
-        p = f.padded_bytes
         if schedule.is_evaluation:
-            row["all_gather"] = p if f.strategy.shards_parameters else 0
+            row["all_gather"] = f.gathered_bytes if f.strategy.shards_parameters else 0
             out[f.name] = row
             continue
         shard_group = sizes.get(f.axis, schedule.world_size) if f.axis else schedule.world_size
         replicas = schedule.world_size // shard_group
         if f.strategy.shards_parameters:
-            row["all_gather"] = p * (2 if f.name in regathered else 1)
+            row["all_gather"] = f.gathered_bytes * (2 if f.name in regathered else 1)
         if f.trainable and f.strategy is Strategy.ZERO1:
-            row["all_gather"] = p
+            row["all_gather"] = f.padded_bytes
         if f.trainable and f.name not in elided:
-            row["reduce_scatter"] = p
+            row["reduce_scatter"] = f.reduced_bytes
             if replicas > 1:
-                row["all_reduce"] = p // shard_group
+                row["all_reduce"] = f.reduced_bytes // shard_group
         out[f.name] = row
     return out

@@ -121,11 +121,12 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
     planned = schedule.summary.bytes_per_rank
     flats = {f.name: f for f in schedule.flats}
     sharded = [f for f in schedule.flats if f.sharded and f.strategy is not Strategy.DDP]
-    m = sum(f.padded_bytes for f in sharded)
-    m_trainable = sum(f.padded_bytes for f in sharded if f.trainable)
+    m = sum(f.gathered_bytes for f in sharded)
+    m_trainable = sum(f.reduced_bytes for f in sharded if f.trainable)
     regathered = [op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL]
-    r = sum(flats[name].padded_bytes for name in regathered if name in flats)
-    replicated = sum(f.numel * f.element_size for f in schedule.flats if f not in sharded and f.trainable)
+    r = sum(flats[name].gathered_bytes for name in regathered if name in flats)
+    replicated = sum(f.numel * (f.reduce_element_size or f.element_size) for f in schedule.flats
+                     if f not in sharded and f.trainable)
     other = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
     expressions = {
         "all_gather": f"M + R = {human_bytes(m)} + {human_bytes(r)} ({len(regathered)} re-gathered for backward)",
@@ -133,7 +134,7 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
         "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
     }
     if schedule.is_evaluation:  # forward only: each gathered unit once, nothing reduced
-        gathered = sum(f.padded_bytes for f in sharded if f.strategy.shards_parameters)
+        gathered = sum(f.gathered_bytes for f in sharded if f.strategy.shards_parameters)
         expressions = {"all_gather": f"M = {human_bytes(gathered)} (each unit once, forward only)",
                        "reduce_scatter": "none: evaluation has no gradients",
                        "all_reduce": "none: evaluation has no gradients, eval-mode BatchNorm no batch statistics"}

@@ -112,10 +112,22 @@ class FlatSummary:
     strategy: Strategy = attrs.field(default=Strategy.ZERO3, converter=Strategy)
     held_numel: int = 0
     axis: str | None = None
+    gather_element_size: int | None = None  # mixed precision: the param_dtype's (None: element_size)
+    reduce_element_size: int | None = None  # the dtype gradients are reduced in (None: element_size)
 
     @property
     def padded_bytes(self) -> int:
         return self.padded_numel * self.element_size
+
+    @property
+    def gathered_bytes(self) -> int:
+        """What a ZeRO-3 / ZeRO-2 all-gather of the whole flat parameter moves: in the compute dtype."""
+        return self.padded_numel * (self.gather_element_size or self.element_size)
+
+    @property
+    def reduced_bytes(self) -> int:
+        """What the reduction of the whole (padded) gradient moves: in the dtype gradients are reduced in."""
+        return self.padded_numel * (self.reduce_element_size or self.element_size)
 
 
 @attrs.frozen
@@ -297,7 +309,8 @@ def _flat_summary(flat) -> FlatSummary:
         padded_numel=flat.padded_numel if flat.sharded else flat.numel,
         local_numel=flat.shard_numel if flat.sharded else flat.numel, element_size=flat.element_size,
         members=tuple(m.name for m in flat.members), strategy=flat.strategy, held_numel=flat.storage_numel,
-        axis=flat.axis,
+        axis=flat.axis, gather_element_size=flat.compute_dtype.itemsize,
+        reduce_element_size=flat.gradient_reduce_dtype.itemsize,
     )
 
 
