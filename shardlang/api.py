@@ -93,14 +93,16 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
          optimizer=None, example_batch, world_size: int, check_each_pass: bool = False,
-         evaluate: bool = False) -> CompiledStep:
+         evaluate: bool = False, cost_model=None) -> CompiledStep:
     """Compile for ``world_size`` ranks with fake tensors: no processes, no real weights.
 
     ``build_model`` is called under a `FakeTensorMode`, so even a model too big
     for this machine is planned without allocating it. Returns the compiled step;
     its ``.schedule`` is the plan. With ``evaluate=True`` it is the step's
     evaluation graph instead (``Step.evaluate``: ``loss_fn`` forward only, in
-    eval mode), on the same flat parameters.
+    eval mode), on the same flat parameters. ``cost_model`` (a
+    `compiler.CostModel`; default: gloo on this CPU) is what a memory budget's
+    search predicts step times with.
 
     Example::
 
@@ -118,17 +120,18 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
         if not isinstance(model, torch.nn.Module):
             raise SpecError(f"build_model() returned {type(model).__name__} {_short(model)}, not a torch.nn.Module")
     if evaluate:
-        return _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass)
-    return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None)
+        return _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, cost_model)
+    return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None, cost_model)
 
 
-def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass) -> CompiledStep:
+def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
+                  cost_model=None) -> CompiledStep:
     """The evaluation graph over the flat parameters the training step would have (no training trace)."""
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
     resolved = spec.resolve(model, world_size)
     if resolved.options.memory_budget is not None:  # the budget picks the step's options; its evaluations reuse them
-        trained = _compile(model, loss_fn, spec, optimizer, example_batch, world_size, False, None)
+        trained = _compile(model, loss_fn, spec, optimizer, example_batch, world_size, False, None, cost_model)
         flats, config = trained.flats, trained.context.config
     else:
         config = resolved.config
@@ -136,14 +139,15 @@ def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, ch
     return compile_eval(model, loss_fn, flats, config, example_batch, check_each_pass=check_each_pass)
 
 
-def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir) -> CompiledStep:
+def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir,
+             cost_model=None) -> CompiledStep:
     return _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                                dump_dir)[0]
+                                dump_dir, cost_model)[0]
 
 
 @collection_paused  # the budget's search too: Note [no collection while compiling]
 def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                         dump_dir) -> tuple[CompiledStep, Recipe]:
+                         dump_dir, cost_model=None) -> tuple[CompiledStep, Recipe]:
     """The compiled step for ``example_batch``, and the `Recipe` that compiles other batch shapes identically."""
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
@@ -161,10 +165,10 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     budget = resolved.options.memory_budget
     if budget is None:
         return at(resolved.config), recipe
-    return _fit_budget(budget, resolved, at, example_batch), recipe
+    return _fit_budget(budget, resolved, at, example_batch, cost_model), recipe
 
 
-def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:
+def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None) -> CompiledStep:
     """Options.memory_budget: recompute per unit and prefetch depth chosen by `compiler.analysis.budget.fit_budget`.
 
     Units the spec gives a recompute policy other than "none" keep it; the
@@ -184,7 +188,7 @@ def _fit_budget(budget: int, resolved, at, example_batch) -> CompiledStep:
         return cache[key]
 
     step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
-                              max_prefetch=len(resolved.units), fixed=fixed,
+                              max_prefetch=len(resolved.units), fixed=fixed, cost_model=cost_model,
                               hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch))
     return attrs.evolve(step, budget=choice)
 

@@ -63,7 +63,14 @@ from ..schedule.schedule_format import human_bytes
 
 
 class BudgetError(SpecError):
-    """No configuration fits ``Options.memory_budget``; the message says by how much and what would fit."""
+    """No configuration fits ``Options.memory_budget``; the message says by how much and what would fit.
+
+    ``leanest_peak`` is the planned peak of the leanest configuration the search compiled.
+    """
+
+    def __init__(self, message: str, *, leanest_peak: int | None = None):
+        super().__init__(message)
+        self.leanest_peak = leanest_peak
 
 
 @attrs.frozen
@@ -170,7 +177,8 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
         feasible = [c for c in (_with_depth(evaluate, c, 0) for c in found) if fits(c)]
     if not feasible:
         leanest = min(compiled.values(), key=lambda sc: sc[1].peak)
-        raise BudgetError(_no_fit(budget, leanest[1], hints(leanest[0]) if hints else []))
+        raise BudgetError(_no_fit(budget, leanest[1], hints(leanest[0]) if hints else []),
+                          leanest_peak=leanest[1].peak)
     best = min(feasible, key=lambda c: c.step_time_s)
     depth = best.prefetch
     while depth < max_prefetch:  # deeper prefetch while it fits and is faster

@@ -105,16 +105,16 @@ def plan_job(path, world: int, model: CostModel, memory_budget: int | None = Non
         spec = attrs.evolve(spec, recompute=recompute)
     if memory_budget is not None:
         spec = attrs.evolve(spec, options=attrs.evolve(spec.options, memory_budget=memory_budget))
-    return job, make_plan(_plan(job, spec, world, batch_step, evaluate), cost_model=model)
+    return job, make_plan(_plan(job, spec, world, batch_step, evaluate, model), cost_model=model)
 
 
-def _plan(job, spec, world: int, batch_step: int, evaluate: bool = False):
+def _plan(job, spec, world: int, batch_step: int, evaluate: bool = False, cost_model=None):
     if evaluate:
         example = eval_example(job, world)
     else:
         example = split_for_rank(job, global_batch(job, batch_step), world, 0, batch_step)
     return api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer, example_batch=example,
-                    world_size=world, evaluate=evaluate)
+                    world_size=world, evaluate=evaluate, cost_model=cost_model)
 
 
 def plan_example_leaves(job, world: int, batch_step: int) -> list:
