@@ -1,0 +1,93 @@
+"""``shardlang tune FILE --world N [--memory-budget SIZE] [--measure K] [--out spec.toml]``: choose the spec.
+
+Searches the layouts of the job's model (unit granularity, one strategy per
+unit, the mesh split) and, in each, recompute and prefetch under the budget
+(Note [the tune search] in `shardlang.tune.search`); prints the leading
+candidates, explains the choice, and writes the best as a TOML spec that
+``run``, ``plan`` and ``check`` take with ``--spec``. With ``--measure K`` the K
+best run for a few steps each on N local ranks, and the measured fastest is
+chosen. Nothing fits: it says by how much, and exits 1.
+
+Example::
+
+    $ shardlang tune examples/gpt.py --world 4 --memory-budget 300MiB --measure 3 --out spec.toml
+    $ shardlang run examples/gpt.py --nproc 4 --spec spec.toml
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..compiler import human_bytes
+from ..tune.search import tune
+from .args import add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, positive, spec_path
+from .common import rank_batch, shown
+from .job import build, load_job
+
+TABLE_ROWS = 8
+
+
+def add_parser(subparsers) -> None:
+    """Register ``shardlang tune`` on the top-level parser's subparsers."""
+    parser = subparsers.add_parser(
+        "tune", help="choose units, strategies, mesh, recompute and prefetch under a memory budget",
+        description="Search the layouts of FILE's model for N ranks under a memory budget, predict each with the "
+                    "cost model, optionally measure the best, and write the chosen spec as TOML (docs/tune.md).")
+    parser.add_argument("file", metavar="FILE", help="job file (see docs/cli.md)")
+    add_spec_argument(parser)
+    parser.add_argument("--world", metavar="N", type=positive("a number of ranks"), required=True,
+                        help="the number of ranks to tune for")
+    parser.add_argument("--memory-budget", metavar="SIZE", type=byte_size, default=None,
+                        help="bytes per rank the plan must fit, e.g. 80GiB (default: no limit)")
+    parser.add_argument("--measure", metavar="K", type=nonnegative_int("a number of candidates"), default=0,
+                        help="run the K best candidates on N local ranks for a few steps each and choose the "
+                             "measured fastest (default 0: choose by prediction)")
+    parser.add_argument("--measure-steps", metavar="S", type=positive("a number of steps"), default=5,
+                        help="timed steps per measured candidate, after 2 warm-up steps (default 5)")
+    parser.add_argument("--out", metavar="PATH", default=None, help="write the chosen spec to PATH as TOML")
+    add_model_arguments(parser)
+    parser.set_defaults(command=main)
+
+
+def main(args) -> int:
+    """Tune the job; 0 when a spec was chosen, 1 when nothing fits the budget."""
+    job = load_job(args.file, spec_path(args))
+    world = args.world
+    print(f"shardlang tune {shown(job.path)}: world {world}, budget "
+          f"{human_bytes(args.memory_budget) if args.memory_budget else 'none'}, cost model {args.link} / "
+          f"{args.compute}", flush=True)
+    result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                  args.memory_budget, cost_model(args), say=lambda line: print("  " + line, flush=True))
+    print(f"\nevaluated {len(result.fitting) + len(result.unfit)} layouts ({sum(not u.compiled for u in result.unfit)} "
+          f"pruned before compiling) with {result.compiles} compiles in {result.seconds:.1f} s\n")
+    if result.best is None:
+        print(result.shortfall())
+        return 1
+    print(result.table(TABLE_ROWS) + "\n")
+    chosen = result.best
+    if args.measure:
+        chosen = _measure(args, job, result)
+    print(result.explanation() if chosen is result.best else f"chose {chosen.one_line()} (measured fastest)")
+    if args.out:
+        Path(args.out).write_text(chosen.spec.to_toml())
+        print(f"\nwrote the spec to {args.out}: shardlang run {shown(job.path)} --nproc {world} --spec {args.out}")
+    else:
+        print("\n" + chosen.spec.to_toml())
+    return 0
+
+
+def _measure(args, job, result):
+    from ..tune.measure import measure
+
+    leading = list(result.fitting[:args.measure])
+    print(f"measuring the {len(leading)} best on {args.world} local rank{'s' if args.world > 1 else ''} "
+          f"({args.measure_steps} steps each after 2 warm-up steps):")
+    measured = measure(str(job.path), [e.spec for e in leading], args.world, steps=args.measure_steps)
+    print(f"{'#':>3}  {'predicted':>10}  {'measured':>10}  {'ratio':>6}  {'planned peak':>12}  {'measured peak':>13}  spec")
+    for i, (e, m) in enumerate(zip(leading, measured), start=1):
+        print(f"{i:>3}  {e.step_time_s * 1e3:>8.2f}ms  {m.step_time_s * 1e3:>8.2f}ms  "
+              f"{m.step_time_s / e.step_time_s:>6.2f}  {human_bytes(e.peak):>12}  {human_bytes(m.peak):>13}  "
+              f"{e.one_line()}")
+    best = min(range(len(leading)), key=lambda i: measured[i].step_time_s)
+    print()
+    return leading[best]

@@ -1,0 +1,78 @@
+"""``shardlang tune --measure K``: run the leading specs for a few steps each and measure them.
+
+Each candidate runs with the real launcher (N local CPU ranks over gloo, or the
+ranks of the calling torchrun job), one after another, for ``warmup`` steps and
+then ``steps`` timed steps; its step time is the median over those steps of
+the slowest rank's, and its peak the largest training peak of any rank
+(`shardlang.runtime.peak_memory`, the resident set since compiling began).
+
+Example::
+
+    measured = measure(job_path, [evaluated.spec for evaluated in result.fitting[:3]], world=2)
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from .. import api
+from ..cli.common import rank_batch, threads_per_rank
+from ..cli.job import build, init_of, load_job
+from ..runtime.dist import DistContext
+from ..runtime.launcher import launch
+from ..runtime.peak_memory import PeakMemory
+from ..spec.spec import Spec
+
+
+@attrs.frozen
+class Measured:
+    """One spec run for real: the median step time (slowest rank) and the largest training peak of a rank."""
+
+    step_time_s: float
+    peak: int
+
+
+def measure(job_path: str, specs: list[Spec], world: int, steps: int = 5, warmup: int = 2) -> list[Measured]:
+    """Run each of ``specs`` for ``warmup + steps`` steps on ``world`` local ranks; one `Measured` each."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix="shardlang-tune-") as tmp:
+        for i, spec in enumerate(specs):
+            spec_file = Path(tmp) / f"candidate-{i}.toml"
+            spec_file.write_text(spec.to_toml())
+            # A process of its own even at N=1: each candidate's peak is its own, not this process's.
+            out.append(launch(measure_rank, world, job_path, str(spec_file), steps, warmup, timeout=None,
+                              threads=threads_per_rank(world), name=f"shardlang tune: measuring candidate {i + 1}")[0])
+    return out
+
+
+def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, warmup: int) -> Measured:
+    """One rank of a measurement (module level: the launcher pickles it by reference)."""
+    job = load_job(job_path, spec_file)
+    peak = PeakMemory.start()
+    model = build(job)
+    init = init_of(job)
+    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, dist_context=ctx,
+                       example_batch=rank_batch(job, 0, ctx.world_size, ctx.rank), lr_schedule=job.lr_schedule,
+                       init_seed=init.seed, init_weights=init.init_weights, weights=init.weights)
+    del model
+    peak.mark_init()
+    times = []
+    for k in range(warmup + steps):
+        batch = rank_batch(job, k, ctx.world_size, ctx.rank)
+        begin = time.perf_counter()
+        step(batch)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if k >= warmup:
+            times.append(time.perf_counter() - begin)
+    values = torch.tensor([*times, float(peak.values()[1])], dtype=torch.float64)
+    if ctx.has_process_group:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return Measured(statistics.median(values[:-1].tolist()), int(values[-1]))

@@ -1,0 +1,260 @@
+"""The spec search of ``shardlang tune``: layouts over the mesh, each scheduled under the memory budget.
+
+Note [the tune search]: the search has two levels.
+
+- The outer level is the *layout*: the unit granularity (the job's units, the
+  default repeated blocks, or the whole model as one unit), one strategy for
+  every unit (ZeRO-3, ZeRO-2, ZeRO-1, DDP) and the mesh split (``replicate x
+  shard`` for every divisor of N when the job's mesh has one axis).
+- The inner level is the existing budget search (`compiler.analysis.budget`):
+  under ``Options(memory_budget)`` it chooses recompute per unit and the
+  prefetch depth at the least predicted step time, compiling one trace under
+  many schedules.
+
+Before anything compiles, every layout gets a lower bound of the bytes a rank
+holds whatever the schedule (its parameters and optimizer state, from the
+model's shapes alone: `held_lower_bound`); a layout whose bound is over the
+budget is pruned, and its bound is reported. The survivors are compiled in
+order of that bound, each is planned with the cost model (predicted step,
+exposed communication, peak), and they are ordered by predicted step time. The
+search never changes what is computed: dtypes, mixed precision, optimizer, loss
+and every other option of the job's spec are kept; only units, strategies,
+mesh, recompute and prefetch change.
+
+Example::
+
+    result = tune(job, world=4, budget=2 * GIB, cost_model=CostModel())
+    print(result.table()); Path("spec.toml").write_text(result.best.spec.to_toml())
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .. import api
+from ..compiler import Adam, AdamW, CostModel, SGD, human_bytes, make_plan
+from ..compiler.analysis.budget import BudgetError
+from ..errors import SpecError
+from ..spec.mesh import Mesh
+from ..spec.spec import Spec
+from ..spec.strategy import Strategy
+from ..spec.units import default_units, find_units
+
+STRATEGIES = (Strategy.ZERO3, Strategy.ZERO2, Strategy.ZERO1, Strategy.DDP)
+REPLICATE_AXIS = "replicate"
+
+
+@attrs.frozen
+class Layout:
+    """One point of the outer search: how units are cut, their strategy, and the mesh split."""
+
+    granularity: str  # "job", "blocks" or "whole"
+    units: tuple[str, ...] | None  # the spec's unit patterns
+    strategy: Strategy
+    mesh: Mesh
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{name}={size}" for name, size in self.mesh.axes)
+        units = "the whole model" if self.units == () else ", ".join(self.units or ("default blocks",))
+        return f"{self.strategy.value} units [{units}] mesh {axes}"
+
+
+@attrs.frozen
+class Evaluated:
+    """A layout compiled and planned: the spec that runs it, its predicted step and peak."""
+
+    layout: Layout
+    spec: Spec
+    step_time_s: float
+    exposed_comm_s: float
+    peak: int
+    schedule_choice: str  # recompute and prefetch, as the budget search chose them
+
+    def one_line(self) -> str:
+        return f"{self.layout.describe()}, {self.schedule_choice}"
+
+
+@attrs.frozen
+class Unfit:
+    """A layout that cannot fit the budget: pruned by its lower bound, or compiled and found over it."""
+
+    layout: Layout
+    least_bytes: int  # the lower bound (pruned) or the leanest planned peak (compiled)
+    compiled: bool
+
+
+@attrs.frozen
+class TuneResult:
+    """What the search found: the layouts that fit, ordered by predicted step time, and those that do not."""
+
+    world: int
+    budget: int | None
+    fitting: tuple[Evaluated, ...]
+    unfit: tuple[Unfit, ...]
+    seconds: float
+    compiles: int
+
+    @property
+    def best(self) -> Evaluated | None:
+        return self.fitting[0] if self.fitting else None
+
+    def table(self, rows: int = 8) -> str:
+        header = ("#", "predicted step", "exposed comm", "peak", "spec")
+        lines = [header]
+        for i, e in enumerate(self.fitting[:rows], start=1):
+            lines.append((str(i), f"{e.step_time_s * 1e3:.2f} ms", f"{e.exposed_comm_s * 1e3:.2f} ms",
+                          human_bytes(e.peak), e.one_line()))
+        widths = [max(len(r[i]) for r in lines) for i in range(len(header) - 1)]
+        return "\n".join("  ".join(c.rjust(w) if 0 < j < 4 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                         + "  " + r[-1] for r in lines)
+
+    def explanation(self) -> str:
+        """Why the best won, against the runner-up and the fastest layout that did not fit."""
+        best = self.best
+        if best is None:
+            return self.shortfall()
+        lines = [f"chose {best.one_line()}: predicted {best.step_time_s * 1e3:.2f} ms a step, peak "
+                 f"{human_bytes(best.peak)}" + (f" of the {human_bytes(self.budget)} budget" if self.budget else "")]
+        if len(self.fitting) > 1:
+            second = self.fitting[1]
+            lines.append(f"  the runner-up, {second.one_line()}, is predicted {second.step_time_s * 1e3:.2f} ms "
+                         f"({100 * (second.step_time_s / best.step_time_s - 1):+.1f}%)")
+        compute = best.step_time_s - best.exposed_comm_s
+        lines.append(f"  of its step, {best.exposed_comm_s * 1e3:.2f} ms is communication not hidden behind "
+                     f"{compute * 1e3:.2f} ms of compute")
+        return "\n".join(lines)
+
+    def shortfall(self) -> str:
+        """When nothing fits: by how much the leanest layout misses, and what would fit."""
+        if not self.unfit:
+            return "no layout was evaluated"
+        leanest = min(self.unfit, key=lambda u: u.least_bytes)
+        over = leanest.least_bytes - (self.budget or 0)
+        how = "planned" if leanest.compiled else "holds at least (parameters and optimizer state)"
+        return (f"nothing fits {human_bytes(self.budget or 0)} per rank: the leanest layout, "
+                f"{leanest.layout.describe()}, {how} {human_bytes(leanest.least_bytes)}, "
+                f"{human_bytes(over)} over. More ranks shrink what is sharded; a smaller per-rank batch shrinks "
+                "activations; a budget of at least "
+                f"{human_bytes(leanest.least_bytes)} fits")
+
+
+def layouts(model: torch.nn.Module, spec: Spec, world: int) -> list[Layout]:
+    """Every layout of the search for ``model`` at ``world`` ranks (Note [the tune search]), without duplicates."""
+    grains: list[tuple[str, tuple[str, ...] | None]] = [("job", spec.units)]
+    if spec.units is not None:
+        grains.append(("blocks", None))
+    grains.append(("whole", ()))
+    seen, distinct = set(), []
+    for name, units in grains:
+        found = frozenset(find_units(model, units) if units is not None else default_units(model))
+        if found not in seen:
+            seen.add(found)
+            distinct.append((name, units))
+    meshes = _mesh_splits(spec.mesh, world)
+    # DDP shards nothing: every split of its mesh is the same step, so only the job's mesh is tried.
+    return [Layout(name, units, strategy, mesh) for name, units in distinct for strategy in STRATEGIES
+            for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes)]
+
+
+def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, world: int) -> int:
+    """Bytes a rank holds under ``layout`` whatever the schedule: parameters and optimizer state.
+
+    ``state_per_param``: optimizer state tensors per parameter (AdamW 2, SGD with momentum 1).
+    ZeRO-3 / ZeRO-2 hold a shard of both; ZeRO-1 the whole parameters and a shard of the state;
+    DDP both whole. A shard is over the shard axis (N / replicas ranks).
+    """
+    shard = world // dict(layout.mesh.axes).get(REPLICATE_AXIS, 1)
+    state = param_bytes * state_per_param
+    if layout.strategy in (Strategy.ZERO3, Strategy.ZERO2):
+        return (param_bytes + state) // shard
+    if layout.strategy is Strategy.ZERO1:
+        return param_bytes + state // shard
+    return param_bytes + state
+
+
+def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimizer, example_batch, world: int,
+         budget: int | None, cost_model: CostModel, say: Callable[[str], None] = lambda _line: None) -> TuneResult:
+    """Search the layouts of ``spec``'s model at ``world`` ranks under ``budget`` (Note [the tune search]).
+
+    ``example_batch`` is the per-rank batch; ``say`` reports progress, one line per layout.
+    """
+    started = time.perf_counter()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_model()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state_per_param = _state_per_param(optimizer)
+    bounded = sorted(((held_lower_bound(lay, param_bytes, state_per_param, world), i, lay)
+                      for i, lay in enumerate(layouts(model, spec, world))), key=lambda t: (t[0], t[1]))
+    fitting, unfit, compiles = [], [], 0
+    for bound, _, layout in bounded:
+        if budget is not None and bound > budget:
+            unfit.append(Unfit(layout, bound, compiled=False))
+            say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
+            continue
+        candidate = _spec_of(spec, layout, budget)
+        try:
+            compiled = api.plan(build_model, loss_fn, candidate, optimizer=optimizer, example_batch=example_batch,
+                                world_size=world, cost_model=cost_model)
+        except BudgetError as exc:
+            compiles += 1
+            unfit.append(Unfit(layout, exc.leanest_peak or bound, compiled=True))
+            say(f"no fit   {layout.describe()}: leanest {human_bytes(exc.leanest_peak or bound)}")
+            continue
+        except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
+            say(f"skipped  {layout.describe()}: {exc}")
+            continue
+        choice = getattr(compiled, "budget", None)
+        compiles += len(choice.tried) if choice is not None else 1
+        plan = make_plan(compiled, cost_model=cost_model)
+        chosen_spec = _chosen(candidate, choice)
+        evaluated = Evaluated(layout, chosen_spec, plan.timeline.step_time_s, plan.timeline.exposed_comm_s,
+                              plan.memory.peak, choice.chosen.describe() if choice is not None else
+                              f"recompute as the job's, prefetch {spec.options.prefetch}")
+        fitting.append(evaluated)
+        say(f"planned  {evaluated.one_line()}: {evaluated.step_time_s * 1e3:.2f} ms, {human_bytes(evaluated.peak)}")
+    fitting.sort(key=lambda e: (e.step_time_s, e.peak))
+    return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles)
+
+
+def _mesh_splits(mesh: Mesh, world: int) -> list[Mesh]:
+    """The job's mesh, and when it has one axis, ``replicate x shard`` for every other divisor of ``world``."""
+    bound = mesh.bind(world)
+    if len(bound.axes) != 1:
+        return [bound]
+    (axis, _), = bound.axes
+    splits = [bound]
+    for replicas in range(2, world + 1):
+        if world % replicas == 0 and replicas < world:
+            splits.append(Mesh(**{REPLICATE_AXIS: replicas, axis: world // replicas}))
+    return splits
+
+
+def _spec_of(spec: Spec, layout: Layout, budget: int | None) -> Spec:
+    options = spec.options if budget is None else attrs.evolve(spec.options, memory_budget=budget)
+    return attrs.evolve(spec, mesh=layout.mesh, units=layout.units, strategies=[("*", layout.strategy.value)],
+                        options=options, recompute=spec.recompute if budget is None else None)
+
+
+def _chosen(spec: Spec, choice) -> Spec:
+    """The spec that runs the budget search's choice with no search: its recompute per unit and prefetch depth."""
+    if choice is None:
+        return spec
+    c = choice.chosen
+    if any(unit == "" for unit, _ in c.recompute):  # no pattern names the root unit: the budget chooses it again
+        return spec
+    recompute = [(unit, policy) for unit, policy in c.recompute] or None
+    options = attrs.evolve(spec.options, memory_budget=None, prefetch=c.prefetch)
+    return attrs.evolve(spec, recompute=recompute, options=options)
+
+
+def _state_per_param(optimizer) -> int:
+    if isinstance(optimizer, (Adam, AdamW)):
+        return 2
+    if isinstance(optimizer, SGD):
+        return 1 if optimizer.momentum else 0
+    return 0

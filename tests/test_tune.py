@@ -1,0 +1,79 @@
+"""``shardlang tune``: the layouts it searches, the bound it prunes by, the spec it writes, and --measure."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardlang as sl
+from shardlang.cli import main
+from shardlang.cli.job import build, load_job
+from shardlang.cli.common import rank_batch
+from shardlang.compiler import CostModel, make_plan
+from shardlang.spec.strategy import Strategy
+from shardlang.tune import held_lower_bound, layouts, tune
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt.py")
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def _gpt_job():
+    return load_job(GPT)
+
+
+def test_layouts_cover_granularity_strategy_and_mesh_split_once_each():
+    job = _gpt_job()
+    found = layouts(build(job), job.spec, 4)
+    assert len(found) == len(set(found))
+    grains = {(lay.granularity, lay.units) for lay in found}
+    assert grains == {("job", ("blocks.*",)), ("whole", ())}  # the default blocks are the job's: not twice
+    meshes = {tuple(lay.mesh.axes) for lay in found if lay.strategy is Strategy.ZERO3}
+    assert meshes == {(("fsdp", 4),), (("replicate", 2), ("fsdp", 2))}
+    assert all(tuple(lay.mesh.axes) == (("fsdp", 4),) for lay in found if lay.strategy is Strategy.DDP)
+
+
+def test_the_lower_bound_is_what_each_strategy_must_hold():
+    job = _gpt_job()
+    by = {lay.strategy: lay for lay in layouts(build(job), job.spec, 4) if len(lay.mesh.axes) == 1}
+    p = 1000
+    assert held_lower_bound(by[Strategy.ZERO3], p, 2, 4) == 3 * p // 4
+    assert held_lower_bound(by[Strategy.ZERO1], p, 2, 4) == p + 2 * p // 4
+    assert held_lower_bound(by[Strategy.DDP], p, 2, 4) == 3 * p
+
+
+def test_tune_orders_by_predicted_time_and_its_spec_plans_to_what_it_predicted():
+    job = _gpt_job()
+    world, budget, model = 2, int(2.1 * 2**20), CostModel()
+    result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                  budget, model)
+    times = [e.step_time_s for e in result.fitting]
+    assert times == sorted(times) and all(e.peak <= budget for e in result.fitting)
+    assert any(not u.compiled or u.least_bytes > budget for u in result.unfit)
+    best = result.best
+    again = sl.plan(lambda: build(job), job.loss_fn, best.spec, optimizer=job.optimizer,
+                    example_batch=rank_batch(job, 0, world, 0), world_size=world)
+    plan = make_plan(again, cost_model=model)
+    assert (plan.memory.peak, plan.timeline.step_time_s) == (best.peak, best.step_time_s)
+    assert best.spec.options.memory_budget is None  # the written spec says what runs, with no search left
+
+
+def test_the_command_writes_a_spec_that_run_takes(tmp_path, capfd):
+    out = tmp_path / "spec.toml"
+    assert main(["tune", GPT, "--world", "1", "--memory-budget", "4MiB", "--measure", "2", "--measure-steps", "2",
+                 "--out", str(out)]) == 0
+    text = capfd.readouterr().out
+    assert re.search(r"evaluated \d+ layouts .* with \d+ compiles in", text)
+    assert "measuring the 2 best on 1 local rank" in text and "ratio" in text
+    spec = sl.Spec.from_toml(out)
+    assert spec.options.memory_budget is None
+    assert main(["run", GPT, "--steps", "1", "--spec", str(out)]) == 0
+
+
+def test_nothing_fits_says_by_how_much_and_exits_1(capsys):
+    assert main(["tune", GPT, "--world", "2", "--memory-budget", "1KiB"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"nothing fits 1\.00 KiB per rank: the leanest layout, .* over", out), out
