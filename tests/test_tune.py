@@ -6,7 +6,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 
 import shardlang as sl
 from shardlang.cli import main

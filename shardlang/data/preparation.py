@@ -101,11 +101,14 @@ class Report:
     replaced_files: int  # sources with invalid UTF-8, replaced by U+FFFD
     dropped_nul: int  # NUL characters the byte tokenizer dropped (its end-of-document byte)
     up_to_date: bool  # nothing to do: the index matched the inputs
+    tokenizer_s: float = 0.0  # of ``seconds``, training the BPE (train-bpe)
 
     @property
     def megabytes_per_second(self) -> float:
+        """Input tokenized per second (the groups this run did; a BPE's training not counted)."""
         done = self.input_bytes * (self.groups - self.groups_done_before) / max(self.groups, 1)
-        return done / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        seconds = self.seconds - self.tokenizer_s
+        return done / 1e6 / seconds if seconds > 0 else 0.0
 
     def summary(self) -> str:
         if self.up_to_date:
@@ -114,7 +117,9 @@ class Report:
         lines = [f"{self.directory}: {self.input_bytes / 1e6:.1f} MB of input in {self.groups} group"
                  f"{'s' if self.groups != 1 else ''}"
                  + (f" ({self.groups_done_before} done before, resumed)" if self.groups_done_before else "")
-                 + f", {self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s"]
+                 + f", {self.seconds:.1f} s"
+                 + (f" ({self.tokenizer_s:.1f} s training the tokenizer)" if self.tokenizer_s else "")
+                 + f", tokenized at {self.megabytes_per_second:.1f} MB/s"]
         for split in SPLITS:
             lines.append(f"  {split}: {self.tokens.get(split, 0):,} tokens in {self.documents.get(split, 0):,} "
                          "documents")
@@ -140,7 +145,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "byte", *, val_
     directory = _output_directory(out)
     sources = find_sources(inputs, glob)
     choice = TokenizerChoice.parse(tokenizer)
+    before = time.perf_counter()
     settings = _settings(choice, directory, sources, val_fraction, text_field, eod)
+    tokenizer_s = time.perf_counter() - before if choice.kind == "train-bpe" else 0.0
     groups = _groups(sources)
     fingerprint = settings.fingerprint(sources)
     current = _current_index(directory, fingerprint)
@@ -170,7 +177,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "byte", *, val_
                   {s: index.tokens(s) for s in SPLITS},
                   {s: sum(x.documents for x in index.splits.get(s, ())) for s in SPLITS},
                   sum(r["replaced_files"] for r in records.values()), sum(r["dropped_nul"] for r in records.values()),
-                  False)
+                  False, tokenizer_s)
 
 
 def in_validation(source_name: str, number: int, fraction: float) -> bool:
