@@ -201,9 +201,10 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 # ---- the job ---------------------------------------------------------------
 
 
-#: Named sizes; ``GPT_SIZE=100M`` selects the benchmarks' 100M GPT (docs/large_models.md measures it).
+#: Named sizes; ``GPT_SIZE=10M`` / ``100M`` select the benchmarks' GPTs (docs/large_models.md measures the 100M).
 SIZES = {
     "tiny": GPTConfig(),
+    "10M": GPTConfig(vocab_size=8192, block_size=64, n_layer=6, n_head=5, n_embd=320),
     "100M": GPTConfig(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768),
 }
 

@@ -178,7 +178,7 @@ def test_every_command_module_is_registered_with_add_parser_and_main():
     # is one of the modules the commands share
     shared = {"__init__", "args", "common", "compare", "job", "plot", "profile", "progress"}
     modules = sorted(p.stem for p in (ROOT / "shardlang" / "cli").glob("*.py") if p.stem not in shared)
-    assert sorted(m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS) == modules == ["check", "data", "diff", "export", "plan", "run", "tune"]
+    assert sorted(m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS) == modules == ["calibrate", "check", "data", "diff", "export", "plan", "run", "tune"]
     for name in modules:
         module = importlib.import_module(f"shardlang.cli.{name}")
         assert callable(module.add_parser) and callable(module.main), name

@@ -239,9 +239,24 @@ class CostModel:
     compute: ComputeModel = COMPUTE["cpu"]
     serialize_collectives: bool = True
     fused: bool = False  # Note [fused compute]
+    # Note [contention]: how many times as long compute takes while a collective is in flight (1.0: not at all)
+    contention: float = attrs.field(default=1.0, validator=attrs.validators.ge(1.0))
 
     def collective_time(self, kind: str, world_size: int, payload: int) -> float:
         return self.link.time(kind, world_size, payload)
+
+    def _contended(self, work_s: float, busy_s: float) -> float:
+        """Seconds that ``work_s`` of compute takes when the link stays busy for ``busy_s`` more (Note [contention]).
+
+        Note [contention]: on a CPU, gloo copies a collective's bytes on the cores that compute, so compute
+        overlapping a collective runs slower; `calibrate` measures by how much (``contention``). While the
+        link is busy, compute advances at 1/contention of its rate; after, at its own.
+        """
+        if self.contention == 1.0 or busy_s <= 0 or work_s <= 0:
+            return work_s
+        if work_s * self.contention <= busy_s:
+            return work_s * self.contention
+        return busy_s + (work_s - busy_s / self.contention)
 
     def predict(self, schedule: Schedule, gm: fx.GraphModule) -> Timeline:
         """Play ``schedule`` (read off ``gm``) on a compute lane and communication lanes."""
@@ -273,7 +288,8 @@ class CostModel:
                     exposed += until - clock
                     clock = until
             elif op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER):
-                duration = sum(node_time(nodes[n]) for n in op.node_names if n in nodes)
+                duration = self._contended(sum(node_time(nodes[n]) for n in op.node_names if n in nodes),
+                                           max(link_free.values()) - clock)
                 spans.append(Span("compute", op.index, name, op.kind.value, clock, duration))
                 clock += duration
                 compute_s += duration
@@ -282,7 +298,7 @@ class CostModel:
             world_size=schedule.world_size, spans=tuple(spans), op_start_s=tuple(starts), op_end_s=tuple(ends),
             step_time_s=clock, compute_s=compute_s, comm_s=comm, exposed_comm_s=exposed,
             model={"link": attrs.asdict(self.link), "compute": attrs.asdict(self.compute),
-                   "serialize_collectives": self.serialize_collectives,
+                   "serialize_collectives": self.serialize_collectives, "contention": self.contention,
                    "fusion": None if fusion is None else fusion.summary()},
         )
 

@@ -19,10 +19,12 @@
   checkpoint's model as safetensors, one file or Hugging Face's sharded layout.
 - ``shardlang tune FILE --world N [--memory-budget SIZE] [--measure K]``: choose
   units, strategies, mesh, recompute and prefetch; write the spec as TOML.
+- ``shardlang calibrate --out machine.json``: measure the link and the compute for
+  the cost model (``plan`` and ``tune`` take it with ``--calibration``).
 - ``shardlang data prepare INPUT... --out DIR``: tokenize text into token shards
   that a job reads with ``sl.data.tokens``.
 
-One module per command (`run`, `plan`, `diff`, `check`, `tune`, `export`, `data`), each with
+One module per command (`run`, `plan`, `diff`, `check`, `tune`, `calibrate`, `export`, `data`), each with
 ``add_parser(subparsers)`` and ``main(args) -> int``; `COMMANDS` registers them.
 `args` holds the argument types, `common` what the commands share. To add a
 command, write ``cli/<name>.py`` with those two functions and list it in
@@ -49,10 +51,10 @@ import traceback
 from ..compiler import VERBOSE_ENV, drop_no_action_warnings, verbose
 from ..errors import NonFiniteError, ShardlangError
 from ..runtime.launcher import FailureKind, PoolState, RankFailure, WorkerError
-from . import check, data, diff, export, plan, run, tune
+from . import calibrate, check, data, diff, export, plan, run, tune
 from .check import TOLERANCES, max_relative_difference, tolerance
 
-COMMANDS = (run, plan, diff, check, tune, export, data)  # in the order ``shardlang --help`` lists them
+COMMANDS = (run, plan, diff, check, tune, calibrate, export, data)  # in the order ``shardlang --help`` lists them
 
 __all__ = ["COMMANDS", "TOLERANCES", "failure_text", "main", "max_relative_difference", "tolerance"]
 

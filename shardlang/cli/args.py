@@ -151,14 +151,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes per second a rank sends, overriding the link's (e.g. 40e9)")
     group.add_argument("--flops", metavar="FLOPS_PER_S", type=positive_float("a FLOP rate"), default=None,
                        help="matmul rate, overriding the compute preset's (e.g. 400e12)")
+    group.add_argument("--calibration", metavar="FILE", default=None,
+                       help="this machine's link and compute as `shardlang calibrate` measured them, in place of "
+                            "--link and --compute")
 
 
 def cost_model(args) -> CostModel:
-    link, device = LINK_PRESETS[args.link], COMPUTE_PRESETS[args.compute]
+    contention = 1.0
+    if getattr(args, "calibration", None):
+        from ..tune.calibrate import read_calibration
+
+        calibrated = read_calibration(args.calibration)
+        link, device, contention = calibrated.link, calibrated.compute, calibrated.contention
+    else:
+        link, device = LINK_PRESETS[args.link], COMPUTE_PRESETS[args.compute]
     if args.alpha is not None:
         link = attrs.evolve(link, alpha_s=args.alpha)
     if args.bandwidth is not None:
         link = attrs.evolve(link, bandwidth=args.bandwidth)
     if args.flops is not None:
         device = attrs.evolve(device, flops_per_s=args.flops)
-    return CostModel(link=link, compute=device)
+    return CostModel(link=link, compute=device, contention=contention)

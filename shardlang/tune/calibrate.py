@@ -1,0 +1,254 @@
+"""``shardlang calibrate``: measure this machine's link and compute for the cost model, and read the result back.
+
+Note [calibration]: short probes on the real backend, N local ranks:
+
+- the link: for each collective kind and payload (64 KiB to 16 MiB), the
+  median of the quicker third of an issue + wait after a barrier, the slowest
+  rank's; then the least-squares fit of the ring model ``steps * alpha +
+  wire_bytes / bandwidth`` in relative error (each sample weighted by 1/t, so a
+  64 KiB collective counts as much as a 16 MiB one). gloo runs a
+  reduce-scatter as an all-reduce, and the fit and the model say so;
+- the compute, with the threads one rank gets (cores / N): a 512^3 matmul's
+  FLOP/s, an elementwise add's bytes/s, a view's cost, and the per-node
+  overhead that makes the roofline reproduce a small GPT step measured at
+  world 1;
+- the contention: on a CPU, gloo's copies run on the same cores as compute.
+  A matmul loop is timed alone and while the other ranks' collectives run
+  beside it on the same cores; the slowdown is recorded as
+  ``compute_slowdown_under_comm`` (1.0: none), which the cost model applies
+  to compute that overlaps a collective (`CostModel.contention`).
+
+The calibration is JSON (format ``shardlang.calibration``) that ``plan`` and
+``tune`` take with ``--calibration FILE``; it is read as untrusted input: each
+field checked, a bad one a `SpecError` naming the file and the field.
+
+Example::
+
+    calibration = calibrate(nproc=2)
+    Path("machine.json").write_text(calibration.to_json())
+    model = read_calibration("machine.json")        # a CostModel
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..compiler import CostModel
+from ..compiler.analysis.cost import ComputeModel, LinkModel
+from ..errors import SpecError
+
+FORMAT = "shardlang.calibration"
+VERSION = 1
+PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+MATMUL = 512
+
+
+@attrs.frozen
+class Calibration:
+    """What `calibrate` measured: the fitted link and compute models, the contention, and the raw samples."""
+
+    link: LinkModel
+    compute: ComputeModel
+    contention: float
+    world_size: int
+    threads: int
+    samples: tuple[tuple[str, int, float], ...]  # (kind, payload bytes, seconds)
+
+    def cost_model(self) -> CostModel:
+        return CostModel(link=self.link, compute=self.compute, contention=self.contention)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "version": VERSION, "world_size": self.world_size,
+                           "threads": self.threads, "link": attrs.asdict(self.link),
+                           "compute": attrs.asdict(self.compute), "compute_slowdown_under_comm": self.contention,
+                           "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
+
+    def summary(self) -> str:
+        lines = [f"link ({self.link.backend}, {self.world_size} ranks): alpha {self.link.alpha_s * 1e6:.1f} us per "
+                 f"ring step, {self.link.bandwidth / 1e9:.2f} GB/s",
+                 f"compute ({self.threads} thread{'s' if self.threads != 1 else ''} a rank): matmul "
+                 f"{self.compute.flops_per_s / 1e9:.1f} GFLOP/s, elementwise {self.compute.bytes_per_s / 1e9:.1f} "
+                 f"GB/s, {self.compute.op_overhead_s * 1e6:.1f} us a node, {self.compute.view_overhead_s * 1e6:.2f} "
+                 "us a view",
+                 f"contention: compute runs {self.contention:.2f}x as long while a collective runs beside it"]
+        fit = self.cost_model().link
+        worst = max(abs(fit.time(k, self.world_size, p) / t - 1) for k, p, t in self.samples)
+        lines.append(f"the link's fit is within {100 * worst:.0f}% of each of its {len(self.samples)} samples")
+        return "\n".join(lines)
+
+
+def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
+    """Measure the link on ``nproc`` local ranks and the compute with the threads one of them gets."""
+    from ..runtime.launcher import launch
+
+    if nproc < 2:
+        raise SpecError(f"--nproc {nproc}: measuring a link needs at least 2 ranks")
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    results = launch(probe_rank, nproc, reps, timeout=None, threads=threads, name="shardlang calibrate")
+    samples = tuple((kind, payload, max(r["link"][f"{kind}/{payload}"] for r in results))
+                    for kind in KINDS for payload in PAYLOADS)
+    backend = results[0]["backend"]
+    alpha, bandwidth = fit_link(samples, nproc, gloo=backend == "gloo")
+    link = LinkModel(f"calibrated-{backend}", alpha_s=alpha, bandwidth=bandwidth, backend=backend,
+                     reduce_scatter_as_all_reduce=backend == "gloo")
+    compute = calibrate_compute(threads, reps)
+    contention = max(1.0, statistics.median(r["contention"] for r in results))
+    return Calibration(link, compute, contention, nproc, threads, samples)
+
+
+def probe_rank(ctx, reps: int) -> dict:
+    """One rank's probes (module level: the launcher pickles it by reference): link times and contention."""
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    n = ctx.world_size
+    times = {}
+    for kind in KINDS:
+        for payload in PAYLOADS:
+            x = torch.randn(payload // 4 // (n if kind == "all_gather" else 1), device=ctx.device)
+            runs = []
+            for _ in range(reps + 2):
+                dist.barrier()
+                begin = time.perf_counter()
+                y = (c10d.all_gather_into_tensor(x, n, group) if kind == "all_gather" else
+                     c10d.reduce_scatter_tensor(x, "sum", n, group) if kind == "reduce_scatter" else
+                     c10d.all_reduce(x, "sum", group))
+                c10d.wait_tensor(y)
+                runs.append(time.perf_counter() - begin)
+            times[f"{kind}/{payload}"] = statistics.median(sorted(runs[2:])[: max(1, reps // 3)])
+    return {"link": times, "contention": _contention(ctx, reps), "backend": ctx.backend.value}
+
+
+def _contention(ctx, reps: int) -> float:
+    """How much longer a matmul loop takes while a collective is in flight on the same cores (1.0: no slowdown).
+
+    Every rank issues a 16 MiB all-reduce asynchronously and computes while it runs, as a step computes
+    while a prefetched gather or a reduce-scatter is in flight; then computes again with nothing in flight.
+    """
+    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
+    x = torch.randn(PAYLOADS[-1] // 4)
+
+    def loop() -> float:
+        begin = time.perf_counter()
+        for _ in range(8):
+            a @ b
+        return time.perf_counter() - begin
+
+    alone, beside = [], []
+    for _ in range(max(3, reps // 3)):
+        dist.barrier()
+        alone.append(loop())
+        dist.barrier()
+        work = dist.all_reduce(x, async_op=True)
+        beside.append(loop())
+        work.wait()
+    return min(beside) / min(alone)
+
+
+def fit_link(samples, world: int, gloo: bool) -> tuple[float, float]:
+    """Fit ``t = steps * alpha + wire / bandwidth`` in relative error, alpha >= 0 (Note [calibration])."""
+    rows = []
+    for kind, payload, t in samples:
+        as_all_reduce = kind == "all_reduce" or (gloo and kind == "reduce_scatter")
+        steps, share = (2 * (world - 1), 2 * (world - 1) / world) if as_all_reduce else (world - 1, (world - 1) / world)
+        rows.append([steps / t, share * payload / t])
+    a, b = np.array(rows), np.ones(len(rows))
+    (alpha, beta), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if alpha < 0:  # no latency term fits better than a negative one: the bandwidth alone
+        alpha, beta = 0.0, float(np.linalg.lstsq(a[:, 1:], b, rcond=None)[0][0])
+    if beta <= 0:
+        raise SpecError("the link's samples fit no positive bandwidth; calibrate again on a quieter machine")
+    return float(alpha), float(1 / beta)
+
+
+def calibrate_compute(threads: int, reps: int) -> ComputeModel:
+    """The CPU roofline with ``threads`` threads, and the per-node overhead of a small GPT step at world 1."""
+    from ..cli.job import build, global_batch, load_job
+    from ..compiler.analysis.cost import node_bytes, node_flops
+    from ..compiler.ir.graph_utils import is_alias_op
+    from ..runtime.dist import DistContext
+    from .. import api
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
+        flops = 2 * MATMUL**3 / _best(lambda: a @ b, reps)
+        x, y = torch.randn(1 << 18), torch.randn(1 << 18)
+        bandwidth = 3 * x.numel() * 4 / _best(lambda: x + y, reps)
+        view = _best(lambda: [x.view(-1) for _ in range(1000)], reps) / 1000
+        job = load_job(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
+        if not job.path.is_file():
+            raise SpecError("calibrate needs examples/gpt.py of the source tree for its per-node overhead")
+        batch = global_batch(job, 0)
+        step = api.compile(build(job, 0), job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=batch,
+                           dist_context=DistContext.single())
+        measured = _best(lambda: step(batch), reps)
+        nodes = [n for n in step.compiled.graph_module.graph.nodes if n.op == "call_function"]
+        views = [n for n in nodes if is_alias_op(n)]
+        work = [n for n in nodes if not is_alias_op(n)]
+        roofline = sum(max(node_flops(n) / flops, node_bytes(n) / bandwidth) for n in work)
+        overhead = max(0.0, (measured - roofline - view * len(views)) / max(len(work), 1))
+    finally:
+        torch.set_num_threads(previous)
+    return ComputeModel("calibrated-cpu", flops_per_s=flops, bytes_per_s=bandwidth, op_overhead_s=overhead,
+                        view_overhead_s=view)
+
+
+def read_calibration(path: str | Path) -> CostModel:
+    """The cost model of a calibration file, every field checked (it is untrusted input)."""
+    file = Path(path)
+    try:
+        raw = json.loads(file.read_text())
+    except OSError as exc:
+        raise SpecError(f"--calibration {str(path)!r} cannot be read ({exc.strerror or exc}); write one with "
+                        "`shardlang calibrate --out machine.json`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecError(f"--calibration {path}: not JSON ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
+        raise SpecError(f"--calibration {path}: not a {FORMAT} version {VERSION} file; write one with "
+                        "`shardlang calibrate --out machine.json`")
+
+    def number(table: dict, key: str, where: str, least: float = 0.0, strict: bool = False) -> float:
+        value = table.get(key) if isinstance(table, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < least or (strict and value <= least):
+            raise SpecError(f"--calibration {path}: {where}.{key} is {value!r}; expected a finite number "
+                            f"{'>' if strict else '>='} {least:g}")
+        return float(value)
+
+    link, compute = raw.get("link"), raw.get("compute")
+    backend = link.get("backend") if isinstance(link, dict) else None
+    if backend not in ("gloo", "nccl"):
+        raise SpecError(f"--calibration {path}: link.backend is {backend!r}; expected 'gloo' or 'nccl'")
+    link_model = LinkModel(str(link.get("name", "calibrated")), alpha_s=number(link, "alpha_s", "link"),
+                           bandwidth=number(link, "bandwidth", "link", strict=True), backend=backend,
+                           reduce_scatter_as_all_reduce=bool(link.get("reduce_scatter_as_all_reduce", False)))
+    compute_model = ComputeModel(str(compute.get("name", "calibrated") if isinstance(compute, dict) else ""),
+                                 flops_per_s=number(compute, "flops_per_s", "compute", strict=True),
+                                 bytes_per_s=number(compute, "bytes_per_s", "compute", strict=True),
+                                 op_overhead_s=number(compute, "op_overhead_s", "compute"),
+                                 view_overhead_s=number(compute, "view_overhead_s", "compute"))
+    contention = number(raw, "compute_slowdown_under_comm", "calibration", least=1.0)
+    return CostModel(link=link_model, compute=compute_model, contention=contention)
+
+
+def _best(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        begin = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - begin)
+    return best

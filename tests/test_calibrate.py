@@ -1,0 +1,77 @@
+"""``shardlang calibrate`` and ``--calibration``: the probes, the file, and contention in the cost model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardlang as sl
+from shardlang.cli import main
+from shardlang.compiler import CostModel, make_plan
+from shardlang.errors import SpecError
+from shardlang.step.batch import split_batch
+from shardlang.tune.calibrate import fit_link, read_calibration
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402
+
+GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+
+
+def test_calibrate_writes_a_file_that_plan_and_tune_take(tmp_path, capsys):
+    out = tmp_path / "machine.json"
+    assert main(["calibrate", "--nproc", "2", "--reps", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "alpha" in text and "GFLOP/s" in text and "contention" in text
+    raw = json.loads(out.read_text())
+    assert raw["link"]["backend"] == "gloo" and raw["link"]["reduce_scatter_as_all_reduce"]
+    assert len(raw["samples"]) == 15 and raw["compute_slowdown_under_comm"] >= 1.0
+    model = read_calibration(out)
+    assert model.link.bandwidth > 0 and model.compute.flops_per_s > 0
+    assert main(["plan", GPT, "--world", "2", "--calibration", str(out)]) == 0
+    assert "calibrated-gloo" in capsys.readouterr().out
+
+
+def test_the_fit_recovers_a_known_link():
+    alpha, bandwidth = 50e-6, 2e9
+    truth = CostModel().link.__class__("t", alpha_s=alpha, bandwidth=bandwidth, backend="gloo",
+                                       reduce_scatter_as_all_reduce=True)
+    samples = [(k, p, truth.time(k, 4, p)) for k in ("all_gather", "reduce_scatter", "all_reduce")
+               for p in (1 << 16, 1 << 20, 1 << 24)]
+    got_alpha, got_bandwidth = fit_link(samples, 4, gloo=True)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_contention_stretches_compute_that_overlaps_a_collective():
+    spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), units=["blocks.*"])
+    step = sl.plan(lambda: gpt.GPT(gpt.GPTConfig()), gpt.lm_loss, spec,
+                   example_batch=split_batch(gpt.make_tokens(0), 2, 0), world_size=2)
+    calm, busy = (make_plan(step, cost_model=CostModel(contention=c)).timeline for c in (1.0, 2.0))
+    assert busy.step_time_s > calm.step_time_s and busy.compute_s > calm.compute_s
+    model = CostModel(contention=2.0)
+    assert model._contended(1.0, 0.0) == 1.0 and model._contended(1.0, 4.0) == 2.0
+    assert model._contended(1.0, 1.0) == pytest.approx(1.5)  # half the work while busy (1 s), the rest after
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda raw: raw.update(format="other"), "not a shardlang.calibration"),
+    (lambda raw: raw["link"].update(bandwidth=-1), "link.bandwidth is -1"),
+    (lambda raw: raw["link"].update(backend="mpi"), "link.backend is 'mpi'"),
+    (lambda raw: raw["compute"].update(flops_per_s="fast"), "compute.flops_per_s is 'fast'"),
+    (lambda raw: raw.update(compute_slowdown_under_comm=0.5), "compute_slowdown_under_comm is 0.5"),
+])
+def test_a_bad_calibration_file_names_the_field(tmp_path, edit, names):
+    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.2,
+           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
+           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
+                       "view_overhead_s": 1e-6}}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(raw))
+    assert read_calibration(path).contention == 1.2
+    edit(raw)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match=names):
+        read_calibration(path)
