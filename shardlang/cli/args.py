@@ -69,6 +69,10 @@ def nonnegative_float(what: str):
     return _float_parser(what, lambda v: v >= 0 and v != float("inf"), "a number >= 0 in seconds, e.g. 5e-6")
 
 
+def fraction(what: str):
+    return _float_parser(what, lambda v: 0.0 <= v < 1.0, "a number in [0, 1), e.g. 0.01")
+
+
 def _float_parser(what: str, ok, expected: str):
     def parse(text: str) -> float:
         try:

@@ -12,10 +12,8 @@ Example::
 
 from __future__ import annotations
 
-import argparse
-
 from ..data.preparation import prepare
-from .args import positive
+from .args import fraction, positive
 
 
 def add_parser(subparsers) -> None:
@@ -36,7 +34,7 @@ def add_parser(subparsers) -> None:
     prep.add_argument("--eod", metavar="TOKEN", default=None,
                       help="the end-of-document token of a tokenizer.json (default: <|endoftext|>, </s>, ... "
                            "whichever its vocabulary has)")
-    prep.add_argument("--val-fraction", metavar="F", type=_fraction, default=0.01,
+    prep.add_argument("--val-fraction", metavar="F", type=fraction("a fraction of documents"), default=0.01,
                       help="the fraction of documents kept for validation (default 0.01)")
     prep.add_argument("--workers", metavar="K", type=positive("a number of worker processes"), default=None,
                       help="tokenizing processes (default: one per core)")
@@ -56,11 +54,3 @@ def main(args) -> int:
     return 0
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1), e.g. 0.01")
-    return value

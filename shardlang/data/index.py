@@ -34,8 +34,8 @@ from pathlib import Path
 
 import attrs
 import numpy as np
-import xxhash
 
+from ..checkpoint.store import digest_of
 from ..errors import DataError
 
 INDEX_FILE = "index.json"
@@ -44,7 +44,6 @@ VERSION = 1
 SPLITS = ("train", "val")
 DTYPES = ("uint8", "uint16", "uint32")
 SHARD_NAME = re.compile(r"(train|val)-\d{5}\.npy")
-CHECKSUM_CHUNK = 16 << 20
 
 
 @attrs.frozen
@@ -121,12 +120,8 @@ class TokenIndex:
 
 
 def file_checksum(path: Path) -> str:
-    """The xxh3-64 of a file's bytes, as 16 hex digits."""
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHECKSUM_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """The xxh3-64 of a file's bytes (as a checkpoint's manifest digests its files), as 16 hex digits."""
+    return f"{digest_of(path):016x}"
 
 
 def read_index(directory: str | Path) -> TokenIndex:
