@@ -40,6 +40,8 @@ def test_the_lower_bound_is_what_each_strategy_must_hold():
     by = {lay.strategy: lay for lay in layouts(build(job), job.spec, 4) if len(lay.mesh.axes) == 1}
     p = 1000
     assert held_lower_bound(by[Strategy.ZERO3], p, 2, 4) == 3 * p // 4
+    assert held_lower_bound(by[Strategy.ZERO3], p, 2, 4, (100, 300)) == 3 * p // 4 + 300  # the largest unit gathered
+    assert held_lower_bound(by[Strategy.ZERO2], p, 2, 4, (100, 300)) == 3 * p // 4 + 400  # every unit gathered
     assert held_lower_bound(by[Strategy.ZERO1], p, 2, 4) == p + 2 * p // 4
     assert held_lower_bound(by[Strategy.DDP], p, 2, 4) == 3 * p
 

@@ -12,9 +12,10 @@ Note [the tune search]: the search has two levels.
   many schedules.
 
 Before anything compiles, every layout gets a lower bound of the bytes a rank
-holds whatever the schedule (its parameters and optimizer state, from the
-model's shapes alone: `held_lower_bound`); a layout whose bound is over the
-budget is pruned, and its bound is reported. The survivors are compiled in
+holds whatever the schedule (its parameters and optimizer state, and the units
+it must hold gathered at once, from the model's shapes alone:
+`held_lower_bound`); a layout whose bound is over the budget is pruned, and its
+bound is reported. The survivors are compiled in
 order of that bound, each is planned with the cost model (predicted step,
 exposed communication, peak), and they are ordered by predicted step time. The
 search never changes what is computed: dtypes, mixed precision, optimizer, loss
@@ -43,7 +44,7 @@ from ..errors import SpecError
 from ..spec.mesh import Mesh
 from ..spec.spec import Spec
 from ..spec.strategy import Strategy
-from ..spec.units import default_units, find_units
+from ..spec.units import default_units, find_units, unit_of
 
 STRATEGIES = (Strategy.ZERO3, Strategy.ZERO2, Strategy.ZERO1, Strategy.DDP)
 REPLICATE_AXIS = "replicate"
@@ -161,17 +162,22 @@ def layouts(model: torch.nn.Module, spec: Spec, world: int) -> list[Layout]:
             for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes)]
 
 
-def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, world: int) -> int:
-    """Bytes a rank holds under ``layout`` whatever the schedule: parameters and optimizer state.
+def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, world: int,
+                     gathered_units: tuple[int, ...] = ()) -> int:
+    """Bytes a rank holds at once under ``layout`` whatever the schedule.
 
     ``state_per_param``: optimizer state tensors per parameter (AdamW 2, SGD with momentum 1).
     ZeRO-3 / ZeRO-2 hold a shard of both; ZeRO-1 the whole parameters and a shard of the state;
-    DDP both whole. A shard is over the shard axis (N / replicas ranks).
+    DDP both whole. A shard is over the shard axis (N / replicas ranks). ``gathered_units``, each
+    unit's bytes gathered (in the dtype it is computed in): ZeRO-3 holds at least the largest one
+    gathered at some moment, ZeRO-2 every one at the end of the forward (it does not reshard).
     """
     shard = world // dict(layout.mesh.axes).get(REPLICATE_AXIS, 1)
     state = param_bytes * state_per_param
-    if layout.strategy in (Strategy.ZERO3, Strategy.ZERO2):
-        return (param_bytes + state) // shard
+    if layout.strategy is Strategy.ZERO3:
+        return (param_bytes + state) // shard + max(gathered_units, default=0)
+    if layout.strategy is Strategy.ZERO2:
+        return (param_bytes + state) // shard + sum(gathered_units)
     if layout.strategy is Strategy.ZERO1:
         return param_bytes + state // shard
     return param_bytes + state
@@ -188,8 +194,8 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         model = build_model()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_per_param = _state_per_param(optimizer)
-    bounded = sorted(((held_lower_bound(lay, param_bytes, state_per_param, world), i, lay)
-                      for i, lay in enumerate(layouts(model, spec, world))), key=lambda t: (t[0], t[1]))
+    bounded = sorted(((held_lower_bound(lay, param_bytes, state_per_param, world, _gathered_units(model, spec, lay)),
+                       i, lay) for i, lay in enumerate(layouts(model, spec, world))), key=lambda t: (t[0], t[1]))
     fitting, unfit, compiles = [], [], 0
     for bound, _, layout in bounded:
         if budget is not None and bound > budget:
@@ -219,6 +225,17 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         say(f"planned  {evaluated.one_line()}: {evaluated.step_time_s * 1e3:.2f} ms, {human_bytes(evaluated.peak)}")
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
     return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles)
+
+
+def _gathered_units(model: torch.nn.Module, spec: Spec, layout: Layout) -> tuple[int, ...]:
+    """Each unit's parameter bytes as gathered: in ``param_dtype`` under mixed precision, else their own."""
+    units = set(find_units(model, layout.units) if layout.units is not None else default_units(model))
+    precision = spec.options.mixed_precision
+    sizes: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        size = precision.param_dtype.itemsize if precision is not None and p.is_floating_point() else p.element_size()
+        sizes[unit_of(name, units)] = sizes.get(unit_of(name, units), 0) + p.numel() * size
+    return tuple(sizes.values())
 
 
 def _mesh_splits(mesh: Mesh, world: int) -> list[Mesh]:
