@@ -70,3 +70,17 @@ def test_recompute_benchmark_measures_both_policies(tmp_path):
         assert row["measured_peak"] > 0 and row["planned_peak"] > 0 and len(row["step_s"]) == 1
     # Full recompute keeps fewer activations than none, in the plan.
     assert result["rows"]["full"]["activations_at_peak"] < result["rows"]["none"]["activations_at_peak"]
+
+
+def test_gpu_benchmark_runs_on_the_cpu_path(tmp_path):
+    """benchmarks/gpu.py, prepared for one GPU, runs its CPU path: every mode trains the same model."""
+    out = tmp_path / "gpu.json"
+    command = [sys.executable, "-m", "benchmarks.gpu", "--size", "tiny", "--steps", "1",
+               "--modes", "single,shardlang,fsdp2", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    losses = {mode: r["loss"] for mode, r in results["modes"].items()}
+    assert set(losses) == {"single", "shardlang", "fsdp2"}
+    assert max(losses.values()) - min(losses.values()) < 1e-4, losses
+    assert results["modes"]["shardlang"]["planned_peak_bytes"] > 0 and results["modes"]["single"]["vs_single"] == 1.0

@@ -28,9 +28,11 @@ def _plan(world: int, mesh: sl.Mesh, precision, recompute, strategies) -> sl.Ste
                    example_batch=split_batch(gpt.make_tokens(0), world, 0), world_size=world)
 
 
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("recompute", [None, "full", "selective"])
-@pytest.mark.parametrize("mix", list(MIXES))
+CASES = [(p, None, m) for p in PRECISIONS for m in MIXES] + [("bf16-fp32", r, m) for r in ("full", "selective")
+                                                              for m in ("zero3", "mixed")]
+
+
+@pytest.mark.parametrize("precision, recompute, mix", CASES)
 def test_every_formula_matches_under_mixed_precision_and_recompute(precision, recompute, mix):
     rules = None if recompute is None else [("blocks.*", recompute)]
     plan = _plan(4, sl.Mesh(fsdp=-1), PRECISIONS[precision], rules, MIXES[mix])
