@@ -9,9 +9,9 @@ Note [calibration]: short probes on the real backend, N local ranks:
   64 KiB collective counts as much as a 16 MiB one). gloo runs a
   reduce-scatter as an all-reduce, and the fit and the model say so;
 - the compute, with the threads one rank gets (cores / N): a 512^3 matmul's
-  FLOP/s, an elementwise add's bytes/s, a view's cost, and the per-node
-  overhead that makes the roofline reproduce a small GPT step measured at
-  world 1;
+  FLOP/s and an elementwise add's bytes/s give the roofline's shape; two GPT
+  steps measured at world 1 (the tiny one, mostly per-node overhead, and the
+  10M one, mostly arithmetic) fix its efficiency and the per-node overhead;
 - the contention: on a CPU, gloo's copies run on the same cores as compute.
   A matmul loop is timed alone and while the other ranks' collectives run
   beside it on the same cores; the slowdown is recorded as
@@ -172,13 +172,14 @@ def fit_link(samples, world: int, gloo: bool) -> tuple[float, float]:
 
 
 def calibrate_compute(threads: int, reps: int) -> ComputeModel:
-    """The CPU roofline with ``threads`` threads, and the per-node overhead of a small GPT step at world 1."""
-    from ..cli.job import build, global_batch, load_job
-    from ..compiler.analysis.cost import node_bytes, node_flops
-    from ..compiler.ir.graph_utils import is_alias_op
-    from ..runtime.dist import DistContext
-    from .. import api
+    """The CPU roofline with ``threads`` threads, fitted to two GPT steps measured at world 1.
 
+    A 512^3 matmul and a cache-resident add give the rates' shape; real steps run their kernels
+    slower than those (larger operands, memory traffic). Two measured steps fix the two unknowns
+    of ``step = roofline / efficiency + nodes * overhead + views * view``: the tiny GPT (its time is
+    mostly per-node overhead) and the 10M GPT (mostly arithmetic). The rates are scaled by the
+    efficiency; the per-node overhead is the fitted one.
+    """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -187,22 +188,55 @@ def calibrate_compute(threads: int, reps: int) -> ComputeModel:
         x, y = torch.randn(1 << 18), torch.randn(1 << 18)
         bandwidth = 3 * x.numel() * 4 / _best(lambda: x + y, reps)
         view = _best(lambda: [x.view(-1) for _ in range(1000)], reps) / 1000
-        job = load_job(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
-        if not job.path.is_file():
-            raise SpecError("calibrate needs examples/gpt.py of the source tree for its per-node overhead")
-        batch = global_batch(job, 0)
-        step = api.compile(build(job, 0), job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=batch,
-                           dist_context=DistContext.single())
-        measured = _best(lambda: step(batch), reps)
-        nodes = [n for n in step.compiled.graph_module.graph.nodes if n.op == "call_function"]
-        views = [n for n in nodes if is_alias_op(n)]
-        work = [n for n in nodes if not is_alias_op(n)]
-        roofline = sum(max(node_flops(n) / flops, node_bytes(n) / bandwidth) for n in work)
-        overhead = max(0.0, (measured - roofline - view * len(views)) / max(len(work), 1))
+        steps = [_measured_step(size, flops, bandwidth, reps) for size in ("tiny", "10M")]
     finally:
         torch.set_num_threads(previous)
-    return ComputeModel("calibrated-cpu", flops_per_s=flops, bytes_per_s=bandwidth, op_overhead_s=overhead,
-                        view_overhead_s=view)
+    # step_time - views * view = roofline * (1 / efficiency) + nodes * overhead, for both steps
+    lhs = np.array([[roofline, nodes] for _, roofline, nodes, _ in steps])
+    rhs = np.array([measured - views * view for measured, _, _, views in steps])
+    try:
+        inverse_efficiency, overhead = np.linalg.solve(lhs, rhs)
+    except np.linalg.LinAlgError:
+        inverse_efficiency, overhead = 1.0, -1.0
+    if inverse_efficiency <= 0 or overhead < 0:  # the two steps disagree with the model: keep the raw rates
+        measured, roofline, nodes, views = steps[0]
+        inverse_efficiency, overhead = 1.0, max(0.0, (measured - roofline - view * views) / max(nodes, 1))
+    efficiency = 1.0 / float(inverse_efficiency)
+    return ComputeModel("calibrated-cpu", flops_per_s=flops * efficiency, bytes_per_s=bandwidth * efficiency,
+                        op_overhead_s=float(overhead), view_overhead_s=view)
+
+
+def _measured_step(size: str, flops: float, bandwidth: float, reps: int) -> tuple[float, float, int, int]:
+    """examples/gpt.py at ``size``, one rank's batch of two ranks, at world 1: (measured s, roofline s, nodes,
+    views)."""
+    from ..cli.common import rank_batch
+    from ..cli.job import build, load_job
+    from ..compiler.analysis.cost import node_bytes, node_flops
+    from ..compiler.ir.graph_utils import is_alias_op
+    from ..runtime.dist import DistContext
+    from .. import api
+
+    job_file = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    if not job_file.is_file():
+        raise SpecError(f"calibrate measures examples/gpt.py of the source tree; {job_file} is not there")
+    saved = os.environ.get("GPT_SIZE")
+    os.environ["GPT_SIZE"] = size
+    try:
+        job = load_job(job_file)
+    finally:
+        if saved is None:
+            os.environ.pop("GPT_SIZE", None)
+        else:
+            os.environ["GPT_SIZE"] = saved
+    batch = rank_batch(job, 0, 2, 0)
+    step = api.compile(build(job, 0), job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=batch,
+                       dist_context=DistContext.single())
+    measured = _best(lambda: step(batch), max(3, reps // 2))
+    nodes = [n for n in step.compiled.graph_module.graph.nodes if n.op == "call_function"]
+    views = [n for n in nodes if is_alias_op(n)]
+    work = [n for n in nodes if not is_alias_op(n)]
+    roofline = sum(max(node_flops(n) / flops, node_bytes(n) / bandwidth) for n in work)
+    return measured, roofline, len(work), len(views)
 
 
 def read_calibration(path: str | Path) -> CostModel:
