@@ -499,6 +499,15 @@ CATALOGUE: tuple[BadInput, ...] = (
     BadInput("cli-diff-not-a-plan", "CLI", "`shardlang diff other.json JOB`, other.json not a plan",
              lambda tmp: cli("diff", _write(tmp, '{"a": 1}', "other.json"), job(tmp)), C,
              ("<tmp>/other.json", "not a plan", "plan FILE --world N --json")),
+    BadInput("cli-spec-file", "CLI", "shardlang plan JOB --world 2 --spec missing.toml",
+             lambda tmp: cli("plan", job(tmp), "--world", "2", "--spec", str(tmp / "missing.toml")), C,
+             ("--spec", "<tmp>/missing.toml", "does not exist", "shardlang tune")),
+    BadInput("cli-calibration-field", "CLI", "`shardlang plan JOB --world 2 --calibration m.json`, m.json's link "
+             "bandwidth -1", lambda tmp: cli("plan", job(tmp), "--world", "2", "--calibration", _write(
+                 tmp, '{"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0, '
+                 '"link": {"alpha_s": 1e-4, "bandwidth": -1, "backend": "gloo"}, "compute": {"flops_per_s": 1e11, '
+                 '"bytes_per_s": 1e10, "op_overhead_s": 0, "view_overhead_s": 0}}', "m.json")), C,
+             ("<tmp>/m.json", "link.bandwidth is -1", "> 0")),
     BadInput("data-missing-index", "data", "`sl.data.tokens('<tmp>/data', seq_len=8, global_batch=2)`, never prepared",
              lambda tmp: sl.data.tokens(_mkdir(tmp / "data"), seq_len=8, global_batch=2), D,
              ("<tmp>/data", "has no index.json", "shardlang data prepare")),

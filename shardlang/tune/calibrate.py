@@ -8,7 +8,9 @@ Note [calibration]: short probes on the real backend, N local ranks:
   wire_bytes / bandwidth`` in relative error (each sample weighted by 1/t, so a
   64 KiB collective counts as much as a 16 MiB one). gloo runs a
   reduce-scatter as an all-reduce, and the fit and the model say so;
-- the compute, with the threads one rank gets (cores / N): a 512^3 matmul's
+- the compute, on every rank at once (as ranks compute side by side in a
+  step, sharing the machine's caches and memory bandwidth), with the threads
+  one rank gets (cores / N): a 512^3 matmul's
   FLOP/s and an elementwise add's bytes/s give the roofline's shape; two GPT
   steps measured at world 1 (the tiny one, mostly per-node overhead, and the
   10M one, mostly arithmetic) fix its efficiency and the per-node overhead;
@@ -102,7 +104,9 @@ def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
     alpha, bandwidth = fit_link(samples, nproc, gloo=backend == "gloo")
     link = LinkModel(f"calibrated-{backend}", alpha_s=alpha, bandwidth=bandwidth, backend=backend,
                      reduce_scatter_as_all_reduce=backend == "gloo")
-    compute = calibrate_compute(threads, reps)
+    fields = ("flops_per_s", "bytes_per_s", "op_overhead_s", "view_overhead_s")
+    compute = ComputeModel("calibrated-cpu", **{f: statistics.median(r["compute"][f] for r in results)
+                                                for f in fields})
     contention = max(1.0, statistics.median(r["contention"] for r in results))
     return Calibration(link, compute, contention, nproc, threads, samples)
 
@@ -126,7 +130,11 @@ def probe_rank(ctx, reps: int) -> dict:
                 c10d.wait_tensor(y)
                 runs.append(time.perf_counter() - begin)
             times[f"{kind}/{payload}"] = statistics.median(sorted(runs[2:])[: max(1, reps // 3)])
-    return {"link": times, "contention": _contention(ctx, reps), "backend": ctx.backend.value}
+    contention = _contention(ctx, reps)
+    dist.barrier()  # every rank measures its compute at once, as ranks compute side by side in a step
+    compute = calibrate_compute(torch.get_num_threads(), reps)
+    return {"link": times, "contention": contention, "backend": ctx.backend.value,
+            "compute": attrs.asdict(compute)}
 
 
 def _contention(ctx, reps: int) -> float:
