@@ -65,8 +65,8 @@ def plan(world: int, budget=None, recompute=None):
     return sl.plan(lambda: llama.Llama(config), llama.loss_fn, spec, example_batch=batch, world_size=world)
 
 
-@pytest.mark.parametrize("world, model", [(1, CostModel()), (2, CostModel()), (4, CostModel()), (4, COMPUTE_BOUND)],
-                         ids=["default-1", "default-2", "default-4", "compute-bound-4"])
+@pytest.mark.parametrize("world, model", [(1, CostModel()), (4, CostModel()), (2, COMPUTE_BOUND)],
+                         ids=["default-1", "default-4", "compute-bound-2"])
 def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world, model):
     kept = plan(world).memory.peak
     full = plan(world, recompute=[("layers.*", "full")]).memory.peak

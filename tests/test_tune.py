@@ -64,7 +64,7 @@ def test_tune_orders_by_predicted_time_and_its_spec_plans_to_what_it_predicted()
 
 def test_the_command_writes_a_spec_that_run_takes(tmp_path, capfd):
     out = tmp_path / "spec.toml"
-    assert main(["tune", GPT, "--world", "1", "--memory-budget", "4MiB", "--measure", "2", "--measure-steps", "2",
+    assert main(["tune", GPT, "--world", "1", "--memory-budget", "4MiB", "--measure", "2", "--measure-steps", "1",
                  "--out", str(out)]) == 0
     text = capfd.readouterr().out
     assert re.search(r"evaluated \d+ layouts .* with \d+ compiles in", text)
