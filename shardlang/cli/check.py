@@ -21,16 +21,15 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import api
 from .compare import Movement, relative_difference, scaled_difference
 from ..compiler import Adam, StepBackend
 from ..errors import SpecError
-from .job import Job, build, build_reference, global_batch, init_of, load_job, reference_optimizer
+from .job import Job, build, build_reference, global_batch, load_job, reference_optimizer
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
 from ..spec.training import torch_param_groups
 from .args import add_spec_argument, positive, spec_path, world_sizes
-from .common import global_mean, shown, split_for_rank, threads_per_rank
+from .common import compile_job, global_mean, shown, split_for_rank, threads_per_rank
 
 DEFAULT_CHECK_STEPS = 3
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -227,11 +226,7 @@ def _train_sharded(ctx: DistContext, job: Job, batches: list, seed: int, dtype: 
                    weights: str | None = None):
     """Train on the given global batches; rank 0 returns (global losses, full parameters), others None."""
     model = build(job, seed, dtype)
-    example = split_for_rank(job, batches[0], ctx.world_size, ctx.rank, 0)
-    init = init_of(job, seed, weights)
-    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
-                       lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
-                       weights=init.weights)
+    step = compile_job(job, model, split_for_rank(job, batches[0], ctx.world_size, ctx.rank, 0), ctx, seed, weights)
     losses = [global_mean(step(split_for_rank(job, b, ctx.world_size, ctx.rank, k)), ctx)
               for k, b in enumerate(batches)]
     params = {name: p.cpu() for name, p in step.full_parameters().items()}  # a collective: every rank calls it

@@ -35,6 +35,19 @@ def split_for_rank(job: Job, batch, world: int, rank: int, step: int, maker: str
         raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}({step}): {exc}") from exc
 
 
+def compile_job(job: Job, model: torch.nn.Module, example, ctx: DistContext, seed: int = 0,
+                weights: str | None = None):
+    """``sl.compile`` of a job's built model on this rank: its loss, spec, optimizer, lr schedule and initial values
+    (the seed, its ``init_weights``, ``weights`` or the job file's), for the per-rank ``example`` batch."""
+    from .. import api
+    from .job import init_of
+
+    init = init_of(job, seed, weights)
+    return api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
+                       lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
+                       weights=init.weights)
+
+
 def rank_batch(job: Job, step: int, world: int, rank: int, evaluation: bool = False):
     """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks.
 

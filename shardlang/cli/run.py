@@ -44,18 +44,17 @@ import torch.distributed as dist
 
 import attrs
 
-from .. import api
 from ..checkpoint import CheckpointDir
 from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
 from ..errors import CheckpointError, NonFiniteError, SpecError
-from .job import Job, build, init_of, load_job
+from .job import Job, build, load_job
 from .progress import ProgressOptions, RunReporter
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
 from .args import add_spec_argument, output_file, positive, seconds, spec_path
-from .common import eval_example, global_mean, load_checked, rank_batch, shown, threads_per_rank
+from .common import compile_job, eval_example, global_mean, load_checked, rank_batch, shown, threads_per_rank
 
 DEFAULT_RUN_STEPS = 5
 TRACED_STEPS = 3  # `run --trace` profiles this many steps at the end (after at least one untraced step)
@@ -286,11 +285,7 @@ def _train(ctx: DistContext, job: Job, flags: RunFlags, checkpoints: Checkpointi
     peak = PeakMemory.start()
     checkpoints.check(ctx)
     model = build(job, seed)
-    example = rank_batch(job, 0, ctx.world_size, ctx.rank)
-    init = init_of(job, seed, weights)
-    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=example, dist_context=ctx,
-                       lr_schedule=job.lr_schedule, init_seed=init.seed, init_weights=init.init_weights,
-                       weights=init.weights)
+    step = compile_job(job, model, rank_batch(job, 0, ctx.world_size, ctx.rank), ctx, seed, weights)
     del model  # the step holds this rank's state (Note [the step owns the state])
     peak.mark_init()
     say(f"compiled in {time.perf_counter() - started:.2f} s")

@@ -39,7 +39,7 @@ import tqdm
 import xxhash
 
 from ..errors import DataError
-from .index import FORMAT, INDEX_FILE, SPLITS, VERSION, Shard, TokenIndex, file_checksum
+from .index import FORMAT, INDEX_FILE, SPLITS, VERSION, Shard, TokenIndex, file_checksum, read_index
 from .inputs import Source, documents, find_sources
 from .tokenizer import (TOKENIZER_FILE, TRAINED_EOD, ByteTokenizer, HFTokenizer, TokenizerChoice, load_tokenizer,
                         token_dtype, train_bpe)
@@ -344,8 +344,6 @@ def _output_directory(out: str | Path) -> Path:
 
 def _current_index(directory: Path, fingerprint: str) -> TokenIndex | None:
     """The directory's index when it was written for exactly these inputs and settings (a second run: no-op)."""
-    from .index import read_index
-
     if not (directory / INDEX_FILE).is_file():
         return None
     try:

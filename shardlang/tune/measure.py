@@ -22,9 +22,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .. import api
-from ..cli.common import rank_batch, threads_per_rank
-from ..cli.job import build, init_of, load_job
+from ..cli.common import compile_job, rank_batch, threads_per_rank
+from ..cli.job import build, load_job
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
 from ..runtime.peak_memory import PeakMemory
@@ -57,10 +56,7 @@ def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, wa
     job = load_job(job_path, spec_file)
     peak = PeakMemory.start()
     model = build(job)
-    init = init_of(job)
-    step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, dist_context=ctx,
-                       example_batch=rank_batch(job, 0, ctx.world_size, ctx.rank), lr_schedule=job.lr_schedule,
-                       init_seed=init.seed, init_weights=init.init_weights, weights=init.weights)
+    step = compile_job(job, model, rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
     del model
     peak.mark_init()
     times = []
