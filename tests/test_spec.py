@@ -22,6 +22,7 @@ from shardlang.spec.layout import Replicate, Shard, layout_from_dict, replicate,
 from shardlang.spec.mesh import Mesh
 from shardlang.spec.rules import Rule, first_match, rule_from_dict, to_rules
 from shardlang.spec.spec import Options, ResolvedSpec, Spec
+from shardlang import MixedPrecision
 from shardlang.spec.units import ROOT_UNIT, assign_units, default_units, find_units, unit_label, unit_of
 
 if sys.version_info >= (3, 11):
@@ -486,6 +487,12 @@ def test_to_toml_round_trips(tmp_path):
         assert Spec.from_toml(path) == spec
     weird = Spec(Mesh(fsdp=2), rules=[('a"b\\c\n\té\x7f', replicate()), ("*", shard("fsdp"))])
     assert Spec.from_dict(tomllib.loads(weird.to_toml())["shardlang"]) == weird
+    # a table inside a table: options.mixed_precision, as tune writes it for a mixed-precision job
+    mixed = Spec(Mesh(fsdp=2), options=Options(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=torch.float32)))
+    text = mixed.to_toml(table="tool.shardlang")
+    assert "[tool.shardlang.options.mixed_precision]" in text
+    assert Spec.from_dict(tomllib.loads(text)["tool"]["shardlang"]) == mixed
 
 
 def test_toml_errors_name_the_file_and_table(tmp_path, gpt):

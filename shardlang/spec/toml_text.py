@@ -26,16 +26,17 @@ def _toml_escape(c: str) -> str:
 
 
 def to_toml_text(d: dict[str, object], table: str | None) -> str:
-    """TOML text for a dict of scalars, lists of scalars, tables, and lists of tables (to_dict's output)."""
-    prefix = f"{table}." if table else ""
+    """TOML text for a dict of scalars, lists of scalars, tables (nested too: ``[options.mixed_precision]``),
+    and lists of tables (to_dict's output)."""
     head = [f"[{table}]"] if table else []
     body: list[str] = []
     for key, value in d.items():
+        name = f"{table}.{key}" if table else key
         if isinstance(value, dict):
-            body += ["", f"[{prefix}{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+            body += ["", to_toml_text(value, name).rstrip("\n")]
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for item in value:
-                body += ["", f"[[{prefix}{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in item.items()]
+                body += ["", f"[[{name}]]"] + [f"{k} = {_toml_value(v)}" for k, v in item.items()]
         else:
             head.append(f"{key} = {_toml_value(value)}")
     return "\n".join(head + body).strip("\n") + "\n"
