@@ -98,13 +98,13 @@ def main() -> None:
         fitting = [r for r in rows if r["planned_peak"] <= budget]
         best = min(fitting, key=lambda r: r["measured_s"]) if fitting else None
         began = time.perf_counter()
-        result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, example, world, budget, model)
+        result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, example, world, budget, model, keep=3)
         searched = time.perf_counter() - began
         leading = list(result.fitting[:3])
         picks = measure(str(JOB), [e.spec for e in leading], world, steps=args.steps) if leading else []
         chosen = min(range(len(picks)), key=lambda i: picks[i].step_time_s) if picks else None
         entry = {"budget": budget, "tight": text.strip().upper() == "TIGHT", "search_s": searched,
-                 "layouts": len(result.fitting) + len(result.unfit), "compiles": result.compiles,
+                 "layouts": result.layouts_seen, "compiles": result.compiles,
                  "candidates": [{"spec": e.one_line(), "predicted_s": e.step_time_s, "planned_peak": e.peak,
                                  "measured_s": p.step_time_s, "measured_peak": p.peak}
                                 for e, p in zip(leading, picks)],

@@ -15,7 +15,8 @@ is imported, so every rank and the reference see the same one):
 (1b keeps its head untied, like every size here, so it has 1.50B parameters rather than
 Llama-3.2-1B's 1.24B.) ``LLAMA_BATCH`` sets the global batch in sequences: 8 for tiny,
 1024 for the others (one 4096-token sequence per rank at 1024 ranks, 4M tokens a step,
-Llama 3's batch); it must divide by the world size.
+Llama 3's batch); it must divide by the world size. ``LLAMA_SEQ`` sets the sequence length
+in tokens (torchtitan's Llama 3 8B setting trains at 8192).
 
 Module names (the spec's rules and units refer to them):
 
@@ -121,6 +122,21 @@ def batch_from_env(size: str, env=os.environ) -> int:
     if value < 1:
         raise sl.SpecError(f"environment variable LLAMA_BATCH={raw!r} is not a batch size; "
                            "expected an integer >= 1 (sequences per global batch), e.g. LLAMA_BATCH=8")
+    return value
+
+
+def seq_from_env(size: str, env=os.environ) -> int:
+    """The sequence length (tokens) from ``LLAMA_SEQ``, else the size's own."""
+    raw = env.get("LLAMA_SEQ")
+    if raw is None:
+        return SIZES[size].max_seq_len
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise sl.SpecError(f"environment variable LLAMA_SEQ={raw!r} is not a sequence length; "
+                           "expected an integer >= 1 (tokens per sequence), e.g. LLAMA_SEQ=8192")
     return value
 
 
@@ -234,7 +250,7 @@ def make_tokens(step: int, batch_size: int, seq_len: int, vocab_size: int) -> to
 # ---- the job ---------------------------------------------------------------
 
 SIZE = size_from_env()
-CONFIG = SIZES[SIZE]
+CONFIG = dataclasses.replace(SIZES[SIZE], max_seq_len=seq_from_env(SIZE))
 GLOBAL_BATCH = batch_from_env(SIZE)
 
 

@@ -121,3 +121,10 @@ def test_llama_size_is_checked(monkeypatch, capsys):
     assert main(["plan", str(EXAMPLES / "llama.py"), "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "LLAMA_SIZE='7b'" in err and "tiny, 1b, 8b, 70b" in err
+
+
+def test_llama_seq_sets_the_sequence_length_and_is_checked(llama):
+    assert llama.seq_from_env("8b", {"LLAMA_SEQ": "8192"}) == 8192
+    assert llama.seq_from_env("tiny", {}) == llama.SIZES["tiny"].max_seq_len
+    with pytest.raises(sl.SpecError, match=r"LLAMA_SEQ='8k' is not a sequence length; expected an integer >= 1"):
+        llama.seq_from_env("8b", {"LLAMA_SEQ": "8k"})

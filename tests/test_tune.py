@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 
 import shardlang as sl
 from shardlang.cli import main
@@ -13,10 +14,14 @@ from shardlang.cli.job import build, load_job
 from shardlang.cli.common import rank_batch
 from shardlang.compiler import CostModel, make_plan
 from shardlang.spec.strategy import Strategy
+from shardlang.compiler.analysis.cost import LinkModel
+from shardlang.compiler.analysis.formulas import REGATHER_DETAIL
 from shardlang.tune import held_lower_bound, layouts, tune
+from shardlang.tune.search import _flat_summaries, _spec_of, communication_floor
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
+SLOW_LINK = LinkModel("slow", alpha_s=1e-3, bandwidth=1e8, backend="gloo")  # communication decides
 sys.path.insert(0, str(ROOT / "examples"))
 
 
@@ -46,6 +51,36 @@ def test_the_lower_bound_is_what_each_strategy_must_hold():
     assert held_lower_bound(by[Strategy.DDP], p, 2, 4) == 3 * p
 
 
+def test_the_step_floor_is_the_link_time_of_the_collectives_and_never_above_a_prediction():
+    job = _gpt_job()
+    world, model = 4, CostModel(link=SLOW_LINK)
+    chosen = [lay for lay in layouts(build(job), job.spec, world)  # every strategy, and a replicate x shard mesh
+              if lay.granularity == "job" and (lay.strategy is Strategy.ZERO3 or len(lay.mesh.axes) == 1)]
+    for layout in chosen:
+        spec = _spec_of(job.spec, layout, None)
+        compiled = sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                           example_batch=rank_batch(job, 0, world, 0), world_size=world)
+        timeline = make_plan(compiled, cost_model=model).timeline
+        flats = _flat_summaries(build(job), spec, world)
+        again = frozenset(op.flat for op in compiled.schedule.ops if op.detail == REGATHER_DETAIL)
+        learnt = communication_floor(flats, dict(layout.mesh.axes), world, model, again)
+        assert learnt == pytest.approx(sum(timeline.comm_s.values()), rel=1e-9), layout.describe()
+        assert communication_floor(flats, dict(layout.mesh.axes), world, model) <= learnt <= timeline.step_time_s
+
+
+def test_pruning_by_the_step_floor_keeps_the_best_and_compiles_less():
+    job = _gpt_job()
+    world, model = 2, CostModel(link=SLOW_LINK)
+    search = lambda keep: tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer,  # noqa: E731
+                               rank_batch(job, 0, world, 0), world, None, model, keep=keep)
+    pruned, exhaustive = search(1), search(100)
+    assert not exhaustive.bounded and pruned.bounded
+    assert pruned.compiles < exhaustive.compiles
+    assert (pruned.best.layout, pruned.best.step_time_s) == (exhaustive.best.layout, exhaustive.best.step_time_s)
+    assert all(b.floor_s >= pruned.best.step_time_s for b in pruned.bounded)
+    assert pruned.layouts_seen == exhaustive.layouts_seen
+
+
 def test_tune_orders_by_predicted_time_and_its_spec_plans_to_what_it_predicted():
     job = _gpt_job()
     world, budget, model = 2, int(2.1 * 2**20), CostModel()
@@ -67,7 +102,8 @@ def test_the_command_writes_a_spec_that_run_takes(tmp_path, capfd):
     assert main(["tune", GPT, "--world", "1", "--memory-budget", "4MiB", "--measure", "2", "--measure-steps", "1",
                  "--out", str(out)]) == 0
     text = capfd.readouterr().out
-    assert re.search(r"evaluated \d+ layouts .* with \d+ compiles in", text)
+    assert re.search(r"searched \d+ layouts in [\d.]+ s with \d+ compiles: \d+ pruned by memory and \d+ by time",
+                     text)
     assert "measuring the 2 best on 1 local rank" in text and "ratio" in text
     spec = sl.Spec.from_toml(out)
     assert spec.options.memory_budget is None

@@ -43,7 +43,7 @@ Example::
 from __future__ import annotations
 
 from shardlang.spec.vocabulary import Strategy
-from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
+from ..schedule.schedule import COLLECTIVE_KINDS, FlatSummary, OpKind, Schedule
 
 REGATHER_DETAIL = "re-gather for backward"
 
@@ -62,7 +62,6 @@ def formula_bytes(schedule: Schedule) -> dict[str, int]:
 
 def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
     """The formula's payload bytes per rank per step for each flat parameter, by collective kind."""
-    sizes = dict(schedule.mesh)
     regathered = {op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL}
     # Note [updates from member gradients]: in a world of one a gradient may go unpacked and unreduced.
     elided = set() if schedule.world_size != 1 else {f.name for f in schedule.flats} - {
@@ -70,24 +69,36 @@ def formula_bytes_by_flat(schedule: Schedule) -> dict[str, dict[str, int]]:
     out = {}
     for f in schedule.flats:
         row = {k.value: 0 for k in COLLECTIVE_KINDS}
-        if f.strategy is Strategy.DDP or not f.sharded:
-            if f.trainable and not schedule.is_evaluation and f.name not in elided:
-                row["all_reduce"] = f.numel * (f.reduce_element_size or f.element_size)
-            out[f.name] = row
-            continue
-        if schedule.is_evaluation:
-            row["all_gather"] = f.gathered_bytes if f.strategy.shards_parameters else 0
-            out[f.name] = row
-            continue
-        shard_group = sizes.get(f.axis, schedule.world_size) if f.axis else schedule.world_size
-        replicas = schedule.world_size // shard_group
-        if f.strategy.shards_parameters:
-            row["all_gather"] = f.gathered_bytes * (2 if f.name in regathered else 1)
-        if f.trainable and f.strategy is Strategy.ZERO1:
-            row["all_gather"] = f.padded_bytes
-        if f.trainable and f.name not in elided:
-            row["reduce_scatter"] = f.reduced_bytes
-            if replicas > 1:
-                row["all_reduce"] = f.reduced_bytes // shard_group
+        for kind, _group, payload in flat_collectives(f, dict(schedule.mesh), schedule.world_size,
+                                                      regathered=f.name in regathered, reduced=f.name not in elided,
+                                                      evaluation=schedule.is_evaluation):
+            row[kind] += payload
         out[f.name] = row
+    return out
+
+
+def flat_collectives(f: FlatSummary, mesh: dict[str, int], world_size: int, *, regathered: bool,
+                     reduced: bool = True, evaluation: bool = False) -> list[tuple[str, int, int]]:
+    """The collectives the formula gives one flat parameter per step: ``(kind, group size, payload bytes)``.
+
+    ``mesh`` maps axis names to sizes; ``regathered``: ZeRO-3 gathers it again
+    for backward; ``reduced``: its gradient is reduced (False only in a world of one).
+    """
+    if f.strategy is Strategy.DDP or not f.sharded:
+        if f.trainable and not evaluation and reduced:
+            return [("all_reduce", world_size, f.numel * (f.reduce_element_size or f.element_size))]
+        return []
+    if evaluation:
+        return [("all_gather", world_size, f.gathered_bytes)] if f.strategy.shards_parameters else []
+    shard_group = mesh.get(f.axis, world_size) if f.axis else world_size
+    replicas = world_size // shard_group
+    out = []
+    if f.strategy.shards_parameters:
+        out += [("all_gather", shard_group, f.gathered_bytes)] * (2 if regathered else 1)
+    if f.trainable and f.strategy is Strategy.ZERO1:
+        out.append(("all_gather", shard_group, f.padded_bytes))
+    if f.trainable and reduced:
+        out.append(("reduce_scatter", shard_group, f.reduced_bytes))
+        if replicas > 1:
+            out.append(("all_reduce", replicas, f.reduced_bytes // shard_group))
     return out

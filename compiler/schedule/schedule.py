@@ -284,7 +284,7 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
     return Schedule(
         world_size=ctx.mesh.size,
         mesh=ctx.mesh.axes,
-        flats=tuple(_flat_summary(f) for f in ctx.flats),
+        flats=tuple(flat_summary(f) for f in ctx.flats),
         ops=tuple(builder.ops),
         options=_options(ctx),
     )
@@ -303,7 +303,8 @@ def _recompute_options(ctx: CompileContext) -> dict[str, object]:
     return {"recompute": chosen} if chosen else {}
 
 
-def _flat_summary(flat) -> FlatSummary:
+def flat_summary(flat) -> FlatSummary:
+    """What a schedule records of one flat parameter (`layout.flat.FlatParam`): sizes, dtypes, strategy, axis."""
     return FlatSummary(
         name=flat.name, unit=flat.unit, sharded=flat.sharded, trainable=flat.trainable, numel=flat.numel,
         padded_numel=flat.padded_numel if flat.sharded else flat.numel,

@@ -57,9 +57,11 @@ def main(args) -> int:
           f"{human_bytes(args.memory_budget) if args.memory_budget else 'none'}, cost model {args.link} / "
           f"{args.compute}", flush=True)
     result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
-                  args.memory_budget, cost_model(args), say=lambda line: print("  " + line, flush=True))
-    print(f"\nevaluated {len(result.fitting) + len(result.unfit)} layouts ({sum(not u.compiled for u in result.unfit)} "
-          f"pruned before compiling) with {result.compiles} compiles in {result.seconds:.1f} s\n")
+                  args.memory_budget, cost_model(args), say=lambda line: print("  " + line, flush=True),
+                  keep=max(1, args.measure or 0))
+    print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles: "
+          f"{sum(not u.compiled for u in result.unfit)} pruned by memory and {len(result.bounded)} by time "
+          "before compiling\n")
     if result.best is None:
         print(result.shortfall())
         return 1

@@ -15,10 +15,28 @@ Before anything compiles, every layout gets a lower bound of the bytes a rank
 holds whatever the schedule (its parameters and optimizer state, and the units
 it must hold gathered at once, from the model's shapes alone:
 `held_lower_bound`); a layout whose bound is over the budget is pruned, and its
-bound is reported. The survivors are compiled in
-order of that bound, each is planned with the cost model (predicted step,
-exposed communication, peak), and they are ordered by predicted step time. The
-search never changes what is computed: dtypes, mixed precision, optimizer, loss
+bound is reported. Each survivor is planned with the cost model (predicted
+step, exposed communication, peak), and the fitting ones are ordered by
+predicted step time.
+
+Note [step floor]: the layouts are compiled best-first, by a lower bound of
+their predicted step that needs no compile: the time their collectives take
+on the link. The cost model queues collectives on one link
+(``serialize_collectives``; else one lane per kind, and the bound is the
+busiest lane) and a step ends after its last wait, so no schedule of the
+layout, whatever its recompute and prefetch, is predicted faster than the sum
+of its collectives' times. The collectives are the strategies' formulas
+(`compiler.analysis.formulas.flat_collectives`) over the layout's flat
+parameters, which need the spec resolved, not the step traced. Which ZeRO-3
+units are gathered again for backward is the compiler's choice (Note [keep
+the last unit]): it is learnt from the first compiled layout of the same
+units and strategy (a mesh split does not change it), and counted as none
+before. Once ``keep`` layouts fit, a layout whose floor is no faster than the
+``keep``-th fastest cannot enter the leading ``keep``: it and every layout
+after it are pruned uncompiled. A communication-bound step (70B on 1024
+ranks) compiles only the layouts that could win.
+
+The search never changes what is computed: dtypes, mixed precision, optimizer, loss
 and every other option of the job's spec are kept; only units, strategies,
 mesh, recompute and prefetch change.
 
@@ -30,8 +48,9 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -40,6 +59,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import api
 from ..compiler import Adam, AdamW, CostModel, SGD, human_bytes, make_plan
 from ..compiler.analysis.budget import BudgetError
+from ..compiler.analysis.formulas import REGATHER_DETAIL, flat_collectives
+from ..compiler.schedule.schedule import FlatSummary, OpKind, flat_summary
 from ..errors import SpecError
 from ..spec.mesh import Mesh
 from ..spec.spec import Spec
@@ -90,6 +111,14 @@ class Unfit:
 
 
 @attrs.frozen
+class Bounded:
+    """A layout left uncompiled: its collectives alone take longer than the leading layouts' steps (Note [step floor])."""
+
+    layout: Layout
+    floor_s: float
+
+
+@attrs.frozen
 class TuneResult:
     """What the search found: the layouts that fit, ordered by predicted step time, and those that do not."""
 
@@ -99,6 +128,11 @@ class TuneResult:
     unfit: tuple[Unfit, ...]
     seconds: float
     compiles: int
+    bounded: tuple[Bounded, ...] = ()
+
+    @property
+    def layouts_seen(self) -> int:
+        return len(self.fitting) + len(self.unfit) + len(self.bounded)
 
     @property
     def best(self) -> Evaluated | None:
@@ -108,7 +142,7 @@ class TuneResult:
         header = ("#", "predicted step", "exposed comm", "peak", "spec")
         lines = [header]
         for i, e in enumerate(self.fitting[:rows], start=1):
-            lines.append((str(i), f"{e.step_time_s * 1e3:.2f} ms", f"{e.exposed_comm_s * 1e3:.2f} ms",
+            lines.append((str(i), _time(e.step_time_s), _time(e.exposed_comm_s),
                           human_bytes(e.peak), e.one_line()))
         widths = [max(len(r[i]) for r in lines) for i in range(len(header) - 1)]
         return "\n".join("  ".join(c.rjust(w) if 0 < j < 4 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
@@ -119,15 +153,15 @@ class TuneResult:
         best = self.best
         if best is None:
             return self.shortfall()
-        lines = [f"chose {best.one_line()}: predicted {best.step_time_s * 1e3:.2f} ms a step, peak "
+        lines = [f"chose {best.one_line()}: predicted {_time(best.step_time_s)} a step, peak "
                  f"{human_bytes(best.peak)}" + (f" of the {human_bytes(self.budget)} budget" if self.budget else "")]
         if len(self.fitting) > 1:
             second = self.fitting[1]
-            lines.append(f"  the runner-up, {second.one_line()}, is predicted {second.step_time_s * 1e3:.2f} ms "
+            lines.append(f"  the runner-up, {second.one_line()}, is predicted {_time(second.step_time_s)} "
                          f"({100 * (second.step_time_s / best.step_time_s - 1):+.1f}%)")
         compute = best.step_time_s - best.exposed_comm_s
-        lines.append(f"  of its step, {best.exposed_comm_s * 1e3:.2f} ms is communication not hidden behind "
-                     f"{compute * 1e3:.2f} ms of compute")
+        lines.append(f"  of its step, {_time(best.exposed_comm_s)} is communication not hidden behind "
+                     f"{_time(compute)} of compute")
         return "\n".join(lines)
 
     def shortfall(self) -> str:
@@ -184,24 +218,45 @@ def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, wor
 
 
 def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimizer, example_batch, world: int,
-         budget: int | None, cost_model: CostModel, say: Callable[[str], None] = lambda _line: None) -> TuneResult:
+         budget: int | None, cost_model: CostModel, say: Callable[[str], None] = lambda _line: None,
+         keep: int = 1) -> TuneResult:
     """Search the layouts of ``spec``'s model at ``world`` ranks under ``budget`` (Note [the tune search]).
 
-    ``example_batch`` is the per-rank batch; ``say`` reports progress, one line per layout.
+    ``example_batch`` is the per-rank batch; ``say`` reports progress, one line per layout. ``keep``:
+    how many of the fastest layouts must be exact (Note [step floor]): ``tune --measure K`` runs K.
     """
     started = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_per_param = _state_per_param(optimizer)
-    bounded = sorted(((held_lower_bound(lay, param_bytes, state_per_param, world, _gathered_units(model, spec, lay)),
-                       i, lay) for i, lay in enumerate(layouts(model, spec, world))), key=lambda t: (t[0], t[1]))
-    fitting, unfit, compiles = [], [], 0
-    for bound, _, layout in bounded:
+    regathered: dict[tuple[str, Strategy], frozenset[str]] = {}  # Note [step floor]: learnt per units and strategy
+
+    def floor_of(layout: Layout, flats: Sequence[FlatSummary]) -> float:
+        known = regathered.get((layout.granularity, layout.strategy), frozenset())
+        return communication_floor(flats, dict(layout.mesh.axes), world, cost_model, known)
+
+    queue, fitting, unfit, bounded, compiles = [], [], [], [], 0
+    for i, layout in enumerate(layouts(model, spec, world)):
+        bound = held_lower_bound(layout, param_bytes, state_per_param, world, _gathered_units(model, spec, layout))
         if budget is not None and bound > budget:
             unfit.append(Unfit(layout, bound, compiled=False))
             say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
             continue
+        flats = _flat_summaries(model, _spec_of(spec, layout, None), world)
+        queue.append((floor_of(layout, flats), bound, i, layout, flats))
+    heapq.heapify(queue)
+    while queue:
+        floor, bound, i, layout, flats = heapq.heappop(queue)
+        if (refined := floor_of(layout, flats)) > floor:  # learnt re-gathers raise it: back in line
+            heapq.heappush(queue, (refined, bound, i, layout, flats))
+            continue
+        leading = sorted(e.step_time_s for e in fitting)[:keep]
+        if len(leading) == keep and floor >= leading[-1]:
+            for floor, _, _, layout, _ in sorted([(floor, bound, i, layout, flats), *queue]):
+                bounded.append(Bounded(layout, floor))
+                say(f"bounded  {layout.describe()}: its collectives alone take {_time(floor)}")
+            break
         candidate = _spec_of(spec, layout, budget)
         try:
             compiled = api.plan(build_model, loss_fn, candidate, optimizer=optimizer, example_batch=example_batch,
@@ -216,15 +271,41 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             continue
         choice = getattr(compiled, "budget", None)
         compiles += len(choice.tried) if choice is not None else 1
+        regathered[(layout.granularity, layout.strategy)] = frozenset(
+            op.flat for op in compiled.schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
         plan = make_plan(compiled, cost_model=cost_model)
         chosen_spec = _chosen(candidate, choice)
         evaluated = Evaluated(layout, chosen_spec, plan.timeline.step_time_s, plan.timeline.exposed_comm_s,
                               plan.memory.peak, choice.chosen.describe() if choice is not None else
                               f"recompute as the job's, prefetch {spec.options.prefetch}")
         fitting.append(evaluated)
-        say(f"planned  {evaluated.one_line()}: {evaluated.step_time_s * 1e3:.2f} ms, {human_bytes(evaluated.peak)}")
+        say(f"planned  {evaluated.one_line()}: {_time(evaluated.step_time_s)}, {human_bytes(evaluated.peak)}")
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
-    return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles)
+    return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles,
+                      tuple(bounded))
+
+
+def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], world: int, cost_model: CostModel,
+                        regathered: frozenset[str] = frozenset()) -> float:
+    """Seconds the link is busy with these flat parameters' collectives: no schedule of them is faster.
+
+    Note [step floor]. ``regathered``: the flat parameters ZeRO-3 gathers again for backward.
+    """
+    lanes: dict[str, float] = {}
+    for f in flats:
+        for kind, group, payload in flat_collectives(f, mesh, world, regathered=f.name in regathered):
+            lane = "link" if cost_model.serialize_collectives else kind
+            lanes[lane] = lanes.get(lane, 0.0) + cost_model.collective_time(kind, group, payload)
+    return max(lanes.values(), default=0.0)
+
+
+def _flat_summaries(model: torch.nn.Module, spec: Spec, world: int) -> tuple[FlatSummary, ...]:
+    """The flat parameters ``spec`` lays ``model`` out in at ``world`` ranks, from the spec alone (no trace)."""
+    return tuple(flat_summary(f) for f in spec.resolve(model, world).config.flats())
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
 def _gathered_units(model: torch.nn.Module, spec: Spec, layout: Layout) -> tuple[int, ...]:
