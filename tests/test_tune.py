@@ -17,6 +17,7 @@ from shardlang.spec.strategy import Strategy
 from shardlang.compiler.analysis.cost import LinkModel
 from shardlang.compiler.analysis.formulas import REGATHER_DETAIL
 from shardlang.tune import held_lower_bound, layouts, tune
+from shardlang.tune.patterns import unit_patterns
 from shardlang.tune.search import _flat_summaries, _spec_of, communication_floor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,3 +115,18 @@ def test_nothing_fits_says_by_how_much_and_exits_1(capsys):
     assert main(["tune", GPT, "--world", "2", "--memory-budget", "1KiB"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"nothing fits 1\.00 KiB per rank: the leanest layout, .* over", out), out
+
+
+def test_a_per_unit_choice_is_written_as_few_patterns_that_decide_every_unit_alike():
+    units = ["tok_embeddings", *(f"layers.{i}" for i in range(80)), "output"]
+    chosen = {u: "full" for u in units[:60]}  # tok_embeddings, layers.0 .. layers.58
+    assert unit_patterns(chosen, units) == [("tok_embeddings", "full"), ("layers.[0-9]", "full"),
+                                            ("layers.[1-4][0-9]", "full"), ("layers.5[0-8]", "full")]
+    mixed = {"layers.3": "full", "layers.4": "selective", "layers.5": "full", "layers.12": "full"}
+    assert unit_patterns(mixed, units) == [("layers.3", "full"), ("layers.5", "full"), ("layers.12", "full"),
+                                           ("layers.4", "selective")]
+    # a name's own glob characters are matched literally, and the answer is checked unit by unit
+    odd = ["x[1].1", "x[1].2", "x1.1", "y*"]
+    assert unit_patterns({"x[1].1": "full", "x[1].2": "full", "y*": "full"}, odd) == [
+        ("y[*]", "full"), ("x[[]1].[1-2]", "full")]
+    assert unit_patterns({}, units) == []

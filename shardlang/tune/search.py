@@ -66,6 +66,7 @@ from ..spec.mesh import Mesh
 from ..spec.spec import Spec
 from ..spec.strategy import Strategy
 from ..spec.units import default_units, find_units, unit_of
+from .patterns import unit_patterns
 
 STRATEGIES = (Strategy.ZERO3, Strategy.ZERO2, Strategy.ZERO1, Strategy.DDP)
 REPLICATE_AXIS = "replicate"
@@ -274,7 +275,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         regathered[(layout.granularity, layout.strategy)] = frozenset(
             op.flat for op in compiled.schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
         plan = make_plan(compiled, cost_model=cost_model)
-        chosen_spec = _chosen(candidate, choice)
+        chosen_spec = _chosen(candidate, choice, candidate.resolve(model, world).units)
         evaluated = Evaluated(layout, chosen_spec, plan.timeline.step_time_s, plan.timeline.exposed_comm_s,
                               plan.memory.peak, choice.chosen.describe() if choice is not None else
                               f"recompute as the job's, prefetch {spec.options.prefetch}")
@@ -338,14 +339,15 @@ def _spec_of(spec: Spec, layout: Layout, budget: int | None) -> Spec:
                         options=options, recompute=spec.recompute if budget is None else None)
 
 
-def _chosen(spec: Spec, choice) -> Spec:
-    """The spec that runs the budget search's choice with no search: its recompute per unit and prefetch depth."""
+def _chosen(spec: Spec, choice, units: Sequence[str]) -> Spec:
+    """The spec that runs the budget search's choice with no search: its recompute per unit (as few patterns
+    over ``units``, the layout's, as say it exactly: `unit_patterns`) and its prefetch depth."""
     if choice is None:
         return spec
     c = choice.chosen
     if any(unit == "" for unit, _ in c.recompute):  # no pattern names the root unit: the budget chooses it again
         return spec
-    recompute = [(unit, policy) for unit, policy in c.recompute] or None
+    recompute = unit_patterns(dict(c.recompute), units) or None
     options = attrs.evolve(spec.options, memory_budget=None, prefetch=c.prefetch)
     return attrs.evolve(spec, recompute=recompute, options=options)
 
