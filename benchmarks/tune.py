@@ -84,7 +84,7 @@ def main() -> None:
         plan = make_plan(api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
                                   example_batch=example, world_size=world, cost_model=model), cost_model=model)
         rows.append({"spec": describe(spec), "predicted_s": plan.timeline.step_time_s, "planned_peak": plan.memory.peak,
-                     "measured_s": m.step_time_s, "measured_peak": m.peak})
+                     "measured_s": m.step_time_s, "measured_peak": m.peak, "measured_in_use": m.in_use_peak})
         print(f"  {describe(spec):<26} predicted {plan.timeline.step_time_s * 1e3:8.2f} ms  measured "
               f"{m.step_time_s * 1e3:8.2f} ms  ratio {m.step_time_s / plan.timeline.step_time_s:5.2f}  planned peak "
               f"{human_bytes(plan.memory.peak):>10}  measured peak {human_bytes(m.peak):>10}", flush=True)
@@ -106,7 +106,7 @@ def main() -> None:
         entry = {"budget": budget, "tight": text.strip().upper() == "TIGHT", "search_s": searched,
                  "layouts": result.layouts_seen, "compiles": result.compiles,
                  "candidates": [{"spec": e.one_line(), "predicted_s": e.step_time_s, "planned_peak": e.peak,
-                                 "measured_s": p.step_time_s, "measured_peak": p.peak}
+                                 "measured_s": p.step_time_s, "measured_peak": p.peak, "measured_in_use": p.in_use_peak}
                                 for e, p in zip(leading, picks)],
                  "chosen": chosen, "grid_best": best}
         results["budgets"].append(entry)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import shardlang as sl
+from shardlang.checkpoint.export import parse_size
 from shardlang.cli import main
 from shardlang.cli.job import build, load_job
 from shardlang.cli.common import rank_batch
@@ -106,6 +107,12 @@ def test_the_command_writes_a_spec_that_run_takes(tmp_path, capfd):
     assert re.search(r"searched \d+ layouts in [\d.]+ s with \d+ compiles: \d+ pruned by memory and \d+ by time",
                      text)
     assert "measuring the 2 best on 1 local rank" in text and "ratio" in text
+    rows = re.findall(r"^\s+[12]\s+\S+ms\s+\S+ms\s+\S+\s+([\d.]+ \w+)\s+([\d.]+ \w+)\s+([\d.]+ \w+)\s", text, re.M)
+    assert len(rows) == 2, text
+    for planned, in_use, resident in ([parse_size(v.replace(" ", "")) for v in row] for row in rows):
+        # the sampled bytes in use hold at least most of what the plan counts, and less than the resident set;
+        # above the plan: the runtime's own (about 30 MiB here: compiled graphs, gloo's buffers)
+        assert 0.8 * planned <= in_use <= min(resident, planned + 64 * 2**20), text
     spec = sl.Spec.from_toml(out)
     assert spec.options.memory_budget is None
     assert main(["run", GPT, "--steps", "1", "--spec", str(out)]) == 0

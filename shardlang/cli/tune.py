@@ -85,11 +85,13 @@ def _measure(args, job, result):
     print(f"measuring the {len(leading)} best on {args.world} local rank{'s' if args.world > 1 else ''} "
           f"({args.measure_steps} steps each after 2 warm-up steps):")
     measured = measure(str(job.path), [e.spec for e in leading], args.world, steps=args.measure_steps)
-    print(f"{'#':>3}  {'predicted':>10}  {'measured':>10}  {'ratio':>6}  {'planned peak':>12}  {'measured peak':>13}  spec")
+    print(f"{'#':>3}  {'predicted':>10}  {'measured':>10}  {'ratio':>6}  {'planned peak':>12}  "
+          f"{'malloc in use':>13}  {'resident':>10}  spec")
     for i, (e, m) in enumerate(zip(leading, measured), start=1):
+        in_use = "n/a" if m.in_use_peak is None else human_bytes(m.in_use_peak)
         print(f"{i:>3}  {e.step_time_s * 1e3:>8.2f}ms  {m.step_time_s * 1e3:>8.2f}ms  "
-              f"{m.step_time_s / e.step_time_s:>6.2f}  {human_bytes(e.peak):>12}  {human_bytes(m.peak):>13}  "
-              f"{e.one_line()}")
+              f"{m.step_time_s / e.step_time_s:>6.2f}  {human_bytes(e.peak):>12}  {in_use:>13}  "
+              f"{human_bytes(m.peak):>10}  {e.one_line()}")
     best = min(range(len(leading)), key=lambda i: measured[i].step_time_s)
     print()
     return leading[best]

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 MIB = 1 << 20
@@ -99,3 +100,42 @@ class PeakMemory:
         end = peak_rss_bytes()
         init = self.init_peak if self.init_peak is not None else end
         return max(0, init - self.base), max(0, end - self.base)
+
+
+class MallocPeak:
+    """The most bytes malloc had in use while it ran, sampled by a thread (``with MallocPeak() as peak``).
+
+    Note [sampled malloc peak]: glibc keeps no peak of bytes in use, so a
+    thread reads `malloc_in_use` every ``interval_s`` and keeps the largest. A
+    peak shorter than the interval can fall between two samples; a step's
+    peak (the start of backward, every kept activation live) lasts many ops.
+    The thread takes the GIL to sample, so a step measured this way is not
+    also timed. ``peak`` is None where ``mallinfo2`` is unavailable.
+
+    Example::
+
+        with MallocPeak() as sampled:
+            step(batch)
+        sampled.peak - base   # bytes above a baseline read before building the model
+    """
+
+    def __init__(self, interval_s: float = 0.0005):
+        self.interval_s = interval_s
+        self.peak: int | None = malloc_in_use()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="shardlang-malloc-peak", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, malloc_in_use())
+
+    def __enter__(self) -> MallocPeak:
+        if self.peak is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.peak is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, malloc_in_use())

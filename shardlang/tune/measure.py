@@ -5,6 +5,11 @@ ranks of the calling torchrun job), one after another, for ``warmup`` steps and
 then ``steps`` timed steps; its step time is the median over those steps of
 the slowest rank's, and its peak the largest training peak of any rank
 (`shardlang.runtime.peak_memory`, the resident set since compiling began).
+One more step, untimed, is run with a thread sampling the bytes malloc has in
+use (Note [sampled malloc peak]): ``in_use_peak``, above what was in use before
+the model was built, is the measure the plan's peak is comparable to (the
+resident set also holds pages malloc keeps after ``free``, the compiled
+graphs and the allocator's caches).
 
 Example::
 
@@ -26,16 +31,18 @@ from ..cli.common import compile_job, rank_batch, threads_per_rank
 from ..cli.job import build, load_job
 from ..runtime.dist import DistContext
 from ..runtime.launcher import launch
-from ..runtime.peak_memory import PeakMemory
+from ..runtime.peak_memory import MallocPeak, PeakMemory, malloc_in_use
 from ..spec.spec import Spec
 
 
 @attrs.frozen
 class Measured:
-    """One spec run for real: the median step time (slowest rank) and the largest training peak of a rank."""
+    """One spec run for real: the median step time (slowest rank), and the largest peaks of a rank: its
+    resident set, and the bytes malloc had in use (None where glibc cannot say)."""
 
     step_time_s: float
     peak: int
+    in_use_peak: int | None = None
 
 
 def measure(job_path: str, specs: list[Spec], world: int, steps: int = 5, warmup: int = 2) -> list[Measured]:
@@ -54,6 +61,7 @@ def measure(job_path: str, specs: list[Spec], world: int, steps: int = 5, warmup
 def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, warmup: int) -> Measured:
     """One rank of a measurement (module level: the launcher pickles it by reference)."""
     job = load_job(job_path, spec_file)
+    in_use_base = malloc_in_use()
     peak = PeakMemory.start()
     model = build(job)
     step = compile_job(job, model, rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
@@ -68,7 +76,11 @@ def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, wa
             torch.cuda.synchronize(ctx.device)
         if k >= warmup:
             times.append(time.perf_counter() - begin)
-    values = torch.tensor([*times, float(peak.values()[1])], dtype=torch.float64)
+    with MallocPeak() as sampled:  # untimed: the sampling thread shares the GIL with the step
+        step(rank_batch(job, warmup + steps, ctx.world_size, ctx.rank))
+    in_use = -1.0 if sampled.peak is None or in_use_base is None else float(sampled.peak - in_use_base)
+    values = torch.tensor([*times, float(peak.values()[1]), in_use], dtype=torch.float64)
     if ctx.has_process_group:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return Measured(statistics.median(values[:-1].tolist()), int(values[-1]))
+    return Measured(statistics.median(values[:-2].tolist()), int(values[-2]),
+                    None if values[-1] < 0 else int(values[-1]))
