@@ -112,31 +112,28 @@ def size_from_env(env=os.environ) -> str:
 
 def batch_from_env(size: str, env=os.environ) -> int:
     """The global batch (sequences) from ``LLAMA_BATCH``, else the size's default."""
-    raw = env.get("LLAMA_BATCH")
-    if raw is None:
-        return DEFAULT_BATCH.get(size, 1024)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise sl.SpecError(f"environment variable LLAMA_BATCH={raw!r} is not a batch size; "
-                           "expected an integer >= 1 (sequences per global batch), e.g. LLAMA_BATCH=8")
-    return value
+    return _positive_from_env(env, "LLAMA_BATCH", DEFAULT_BATCH.get(size, 1024), "a batch size",
+                              "sequences per global batch", 8)
 
 
 def seq_from_env(size: str, env=os.environ) -> int:
     """The sequence length (tokens) from ``LLAMA_SEQ``, else the size's own."""
-    raw = env.get("LLAMA_SEQ")
+    return _positive_from_env(env, "LLAMA_SEQ", SIZES[size].max_seq_len, "a sequence length",
+                              "tokens per sequence", 8192)
+
+
+def _positive_from_env(env, name: str, default: int, what: str, unit: str, example: int) -> int:
+    """The integer >= 1 in environment variable ``name``, else ``default``; a `SpecError` naming it otherwise."""
+    raw = env.get(name)
     if raw is None:
-        return SIZES[size].max_seq_len
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise sl.SpecError(f"environment variable LLAMA_SEQ={raw!r} is not a sequence length; "
-                           "expected an integer >= 1 (tokens per sequence), e.g. LLAMA_SEQ=8192")
+        raise sl.SpecError(f"environment variable {name}={raw!r} is not {what}; "
+                           f"expected an integer >= 1 ({unit}), e.g. {name}={example}")
     return value
 
 
