@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 import shardlang as sl
@@ -13,7 +14,9 @@ from shardlang.cli import main
 from shardlang.compiler import CostModel, make_plan
 from shardlang.errors import SpecError
 from shardlang.step.batch import split_batch
-from shardlang.tune.calibrate import fit_link, read_calibration
+from shardlang.cli.common import rank_batch
+from shardlang.cli.job import build
+from shardlang.tune.calibrate import _gpt_job, compute_scale, fit_link, read_calibration, scaled_compute
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -31,8 +34,31 @@ def test_calibrate_writes_a_file_that_plan_and_tune_take(tmp_path, capsys):
     assert len(raw["samples"]) == 15 and raw["compute_slowdown_under_comm"] >= 1.0
     model = read_calibration(out)
     assert model.link.bandwidth > 0 and model.compute.flops_per_s > 0
+    # the compute is scaled so that the cost model predicts the 10M GPT's step measured on the 2 ranks
+    fit = raw["step_fit"]
+    assert fit["measured_s"] > 0 and fit["predicted_s"] > 0 and 0.25 <= fit["scale"] <= 8
+    assert "the 10M GPT's step on 2 ranks" in text
+    job = _gpt_10m()
+    planned = sl.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
+                      example_batch=rank_batch(job, 0, 2, 0), world_size=2)
+    if 0.25 < fit["scale"] < 8:
+        assert make_plan(planned, cost_model=model).timeline.step_time_s == pytest.approx(fit["measured_s"], rel=1e-3)
     assert main(["plan", GPT, "--world", "2", "--calibration", str(out)]) == 0
     assert "calibrated-gloo" in capsys.readouterr().out
+
+
+def _gpt_10m():
+    return _gpt_job("10M")
+
+
+def test_the_compute_scale_is_the_factor_that_predicts_the_measured_step():
+    model = CostModel()
+    predict = lambda m: 3e9 / m.compute.flops_per_s + 1000 * m.compute.op_overhead_s  # noqa: E731 grows with it
+    measured = 1.7 * predict(model)
+    scale = compute_scale(model, predict, measured)
+    assert scale == pytest.approx(1.7, rel=1e-6)
+    assert predict(attrs.evolve(model, compute=scaled_compute(model.compute, scale))) == pytest.approx(measured)
+    assert compute_scale(model, predict, 100 * measured) == 8.0  # beyond what the range predicts: its end
 
 
 def test_the_fit_recovers_a_known_link():

@@ -18,7 +18,15 @@ Note [calibration]: short probes on the real backend, N local ranks:
   A matmul loop is timed alone and while the other ranks' collectives run
   beside it on the same cores; the slowdown is recorded as
   ``compute_slowdown_under_comm`` (1.0: none), which the cost model applies
-  to compute that overlaps a collective (`CostModel.contention`).
+  to compute that overlaps a collective (`CostModel.contention`);
+- the step at the calibrated world size: the probes above miss what N ranks
+  training side by side cost each other beyond them (a 2-core machine's ranks
+  and gloo's threads share cores, caches and memory bandwidth all step long).
+  The 10M GPT's step is compiled and run on the N ranks, as ``tune --measure``
+  runs one (the median of the slowest rank's steps), and the compute model is
+  scaled (rates divided, per-node costs multiplied, by one factor) until the
+  cost model predicts that step: ``step_fit`` records the measured and the
+  unscaled predicted step and the factor.
 
 The calibration is JSON (format ``shardlang.calibration``) that ``plan`` and
 ``tune`` take with ``--calibration FILE``; it is read as untrusted input: each
@@ -66,6 +74,7 @@ class Calibration:
     world_size: int
     threads: int
     samples: tuple[tuple[str, int, float], ...]  # (kind, payload bytes, seconds)
+    step_fit: dict | None = None  # {"measured_s", "predicted_s" (unscaled), "scale"}: the step at world_size
 
     def cost_model(self) -> CostModel:
         return CostModel(link=self.link, compute=self.compute, contention=self.contention)
@@ -74,7 +83,7 @@ class Calibration:
         return json.dumps({"format": FORMAT, "version": VERSION, "world_size": self.world_size,
                            "threads": self.threads, "link": attrs.asdict(self.link),
                            "compute": attrs.asdict(self.compute), "compute_slowdown_under_comm": self.contention,
-                           "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
+                           "step_fit": self.step_fit, "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
 
     def summary(self) -> str:
         lines = [f"link ({self.link.backend}, {self.world_size} ranks): alpha {self.link.alpha_s * 1e6:.1f} us per "
@@ -84,6 +93,11 @@ class Calibration:
                  f"GB/s, {self.compute.op_overhead_s * 1e6:.1f} us a node, {self.compute.view_overhead_s * 1e6:.2f} "
                  "us a view",
                  f"contention: compute runs {self.contention:.2f}x as long while a collective runs beside it"]
+        if self.step_fit:
+            fit = self.step_fit
+            lines.append(f"the 10M GPT's step on {self.world_size} ranks: measured {fit['measured_s'] * 1e3:.1f} ms, "
+                         f"predicted {fit['predicted_s'] * 1e3:.1f} ms by the probes alone; compute scaled by "
+                         f"{fit['scale']:.3f} to match")
         fit = self.cost_model().link
         worst = max(abs(fit.time(k, self.world_size, p) / t - 1) for k, p, t in self.samples)
         lines.append(f"the link's fit is within {100 * worst:.0f}% of each of its {len(self.samples)} samples")
@@ -108,7 +122,57 @@ def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
     compute = ComputeModel("calibrated-cpu", **{f: statistics.median(r["compute"][f] for r in results)
                                                 for f in fields})
     contention = max(1.0, statistics.median(r["contention"] for r in results))
-    return Calibration(link, compute, contention, nproc, threads, samples)
+    probed = CostModel(link=link, compute=compute, contention=contention)
+    fit = launch(step_rank, nproc, probed, reps, timeout=None, threads=threads,
+                 name="shardlang calibrate: a step")[0]
+    return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit)
+
+
+def step_rank(ctx, model: CostModel, reps: int) -> dict:
+    """The 10M GPT's step on this rank's world, measured as ``tune --measure`` does, and the compute scale that
+    makes ``model`` predict it (module level: the launcher pickles it by reference)."""
+    from ..cli.common import compile_job, rank_batch
+    from ..cli.job import build
+
+    job = _gpt_job("10M")
+    step = compile_job(job, build(job), rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
+    times = []
+    for k in range(2 + max(3, reps // 2)):
+        batch = rank_batch(job, k, ctx.world_size, ctx.rank)
+        begin = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - begin)
+    slowest = torch.tensor(times[2:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    measured = statistics.median(slowest.tolist())
+    compiled = step.compiled
+    predicted = model.predict(compiled.schedule, compiled.graph_module).step_time_s
+    return {"measured_s": measured, "predicted_s": predicted,
+            "scale": compute_scale(model, lambda m: m.predict(compiled.schedule, compiled.graph_module).step_time_s,
+                                   measured)}
+
+
+def scaled_compute(compute: ComputeModel, scale: float) -> ComputeModel:
+    """``compute`` running ``scale`` times as long: rates divided, per-node costs multiplied."""
+    return attrs.evolve(compute, flops_per_s=compute.flops_per_s / scale, bytes_per_s=compute.bytes_per_s / scale,
+                        op_overhead_s=compute.op_overhead_s * scale, view_overhead_s=compute.view_overhead_s * scale)
+
+
+def compute_scale(model: CostModel, predict, measured_s: float, low: float = 0.25, high: float = 8.0) -> float:
+    """The factor on ``model``'s compute whose prediction (``predict(cost model)``) is ``measured_s``, by bisection.
+
+    A prediction grows with the factor (compute only lengthens), so the bisection converges; a step outside
+    what ``[low, high]`` can predict gets the nearer end.
+    """
+    at = lambda f: predict(attrs.evolve(model, compute=scaled_compute(model.compute, f)))  # noqa: E731
+    if at(low) >= measured_s:
+        return low
+    if at(high) <= measured_s:
+        return high
+    for _ in range(40):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if at(middle) < measured_s else (low, middle)
+    return math.sqrt(low * high)
 
 
 def probe_rank(ctx, reps: int) -> dict:
@@ -218,24 +282,13 @@ def _measured_step(size: str, flops: float, bandwidth: float, reps: int) -> tupl
     """examples/gpt.py at ``size``, one rank's batch of two ranks, at world 1: (measured s, roofline s, nodes,
     views)."""
     from ..cli.common import rank_batch
-    from ..cli.job import build, load_job
+    from ..cli.job import build
     from ..compiler.analysis.cost import node_bytes, node_flops
     from ..compiler.ir.graph_utils import is_alias_op
     from ..runtime.dist import DistContext
     from .. import api
 
-    job_file = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
-    if not job_file.is_file():
-        raise SpecError(f"calibrate measures examples/gpt.py of the source tree; {job_file} is not there")
-    saved = os.environ.get("GPT_SIZE")
-    os.environ["GPT_SIZE"] = size
-    try:
-        job = load_job(job_file)
-    finally:
-        if saved is None:
-            os.environ.pop("GPT_SIZE", None)
-        else:
-            os.environ["GPT_SIZE"] = saved
+    job = _gpt_job(size)
     batch = rank_batch(job, 0, 2, 0)
     step = api.compile(build(job, 0), job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=batch,
                        dist_context=DistContext.single())
@@ -245,6 +298,24 @@ def _measured_step(size: str, flops: float, bandwidth: float, reps: int) -> tupl
     work = [n for n in nodes if not is_alias_op(n)]
     roofline = sum(max(node_flops(n) / flops, node_bytes(n) / bandwidth) for n in work)
     return measured, roofline, len(work), len(views)
+
+
+def _gpt_job(size: str):
+    """examples/gpt.py of the source tree at ``GPT_SIZE=size``, the environment left as it was."""
+    from ..cli.job import load_job
+
+    job_file = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    if not job_file.is_file():
+        raise SpecError(f"calibrate measures examples/gpt.py of the source tree; {job_file} is not there")
+    saved = os.environ.get("GPT_SIZE")
+    os.environ["GPT_SIZE"] = size
+    try:
+        return load_job(job_file)
+    finally:
+        if saved is None:
+            os.environ.pop("GPT_SIZE", None)
+        else:
+            os.environ["GPT_SIZE"] = saved
 
 
 def read_calibration(path: str | Path) -> CostModel:
