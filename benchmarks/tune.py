@@ -8,7 +8,7 @@ For examples/gpt.py at ``--size`` (``GPT_SIZE``) on ``--world`` local ranks:
 1. the grid: 16 hand-written specs (ZeRO-3, ZeRO-2, ZeRO-1, DDP; per-block units
    or the whole model as one unit; prefetch 1 or 2), each planned with the cost
    model (predicted step, planned peak) and measured (`shardlang.tune.measure`:
-   the median of 5 steps after 2 warm-up steps, the slowest rank's; the largest
+   the median of --steps steps (default 5) after 2 warm-up steps, the slowest rank's; the largest
    training peak of a rank);
 2. for each budget: ``tune --measure 3`` (the search, then its 3 best measured),
    and the best of the grid specs whose planned peak fits that budget. ``TIGHT``
