@@ -244,17 +244,18 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             unfit.append(Unfit(layout, bound, compiled=False))
             say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
             continue
-        flats = _flat_summaries(model, _spec_of(spec, layout, None), world)
-        queue.append((floor_of(layout, flats), bound, i, layout, flats))
+        resolved = _spec_of(spec, layout, None).resolve(model, world)  # once: the floor's flats, the written units
+        flats = _summaries(resolved)
+        queue.append((floor_of(layout, flats), bound, i, layout, flats, resolved.units))
     heapq.heapify(queue)
     while queue:
-        floor, bound, i, layout, flats = heapq.heappop(queue)
+        floor, bound, i, layout, flats, units = heapq.heappop(queue)
         if (refined := floor_of(layout, flats)) > floor:  # learnt re-gathers raise it: back in line
-            heapq.heappush(queue, (refined, bound, i, layout, flats))
+            heapq.heappush(queue, (refined, bound, i, layout, flats, units))
             continue
         leading = sorted(e.step_time_s for e in fitting)[:keep]
         if len(leading) == keep and floor >= leading[-1]:
-            for floor, _, _, layout, _ in sorted([(floor, bound, i, layout, flats), *queue]):
+            for floor, _, _, layout, _, _ in sorted([(floor, bound, i, layout, flats, units), *queue]):
                 bounded.append(Bounded(layout, floor))
                 say(f"bounded  {layout.describe()}: its collectives alone take {_time(floor)}")
             break
@@ -275,7 +276,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         regathered[(layout.granularity, layout.strategy)] = frozenset(
             op.flat for op in compiled.schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
         plan = make_plan(compiled, cost_model=cost_model)
-        chosen_spec = _chosen(candidate, choice, candidate.resolve(model, world).units)
+        chosen_spec = _chosen(candidate, choice, units)
         evaluated = Evaluated(layout, chosen_spec, plan.timeline.step_time_s, plan.timeline.exposed_comm_s,
                               plan.memory.peak, choice.chosen.describe() if choice is not None else
                               f"recompute as the job's, prefetch {spec.options.prefetch}")
@@ -302,7 +303,11 @@ def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], worl
 
 def _flat_summaries(model: torch.nn.Module, spec: Spec, world: int) -> tuple[FlatSummary, ...]:
     """The flat parameters ``spec`` lays ``model`` out in at ``world`` ranks, from the spec alone (no trace)."""
-    return tuple(flat_summary(f) for f in spec.resolve(model, world).config.flats())
+    return _summaries(spec.resolve(model, world))
+
+
+def _summaries(resolved) -> tuple[FlatSummary, ...]:
+    return tuple(flat_summary(f) for f in resolved.config.flats())
 
 
 def _time(seconds: float) -> str:
