@@ -49,6 +49,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from shardlang.errors import SpecError
 from ..ir.graph_utils import is_alias_op
+from ..ir.tags import NodeKind, kind_of
 from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 _aten = torch.ops.aten
@@ -103,8 +104,8 @@ class ComputeModel:
 
     def node_time(self, node: fx.Node) -> float:
         """Seconds to run one graph node (0 for placeholders and the output)."""
-        if node.op != "call_function":
-            return 0.0
+        if node.op != "call_function" or kind_of(node) is NodeKind.SLOT:
+            return 0.0  # a slot of the step's pool is held between steps: no kernel (Note [buffer assignment])
         if is_alias_op(node):
             return self.view_overhead_s
         return self.kernel_time(node_flops(node), node_bytes(node))
@@ -429,5 +430,10 @@ def _tensor_bytes(val) -> int:
 
 
 def node_bytes(node: fx.Node) -> int:
-    """Bytes one node reads and writes: its tensor inputs and its output."""
-    return _tensor_bytes(node.meta.get("val")) + sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    """Bytes one node reads and writes: its tensor inputs and its output.
+
+    A slot of the step's pool that the node writes its output into is written, not read: it counts once, as
+    the output, so a gather or a pack costs the same pooled or not (Note [pool after the search]).
+    """
+    read = (a for a in node.all_input_nodes if kind_of(a) is not NodeKind.SLOT)
+    return _tensor_bytes(node.meta.get("val")) + sum(_tensor_bytes(a.meta.get("val")) for a in read)
