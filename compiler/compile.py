@@ -72,7 +72,7 @@ class CompiledStep:
 def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, optimizer, example_batch, *,
                  passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None,
                  traced: TracedStep | None = None, buffers: Mapping[str, TensorShape] | None = None,
-                 tied: Mapping[str, str] | None = None) -> CompiledStep:
+                 tied: Mapping[str, str] | None = None, buffer_pool: bool = True) -> CompiledStep:
     """Trace and compile one training step of ``model`` for ``config`` (`compiler.config.StepConfig`).
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -83,6 +83,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     (the memory budget's search compiles one trace under many `Scheduling`
     records this way). ``buffers`` stands in for the module's buffers when it
     holds no storage, and ``tied`` for its tied parameters (`trace_step`).
+    ``buffer_pool=False`` leaves the step's pool out (`with_buffer_pool` adds
+    it later): the budget's search compares schedules without it (Note [pool
+    after the search] in `compiler.analysis.budget`).
     """
     flats = config.flats()
     optimizer = GroupedOptimizer.build(optimizer, config.training.group_overrides)
@@ -99,7 +102,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     gm = run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir)
     schedule = read_schedule(gm, ctx)
     verify(schedule)
-    return with_buffer_pool(CompiledStep(gm, ctx, schedule, traced))
+    compiled = CompiledStep(gm, ctx, schedule, traced)
+    return with_buffer_pool(compiled) if buffer_pool else compiled
 
 
 def with_buffer_pool(compiled: CompiledStep) -> CompiledStep:

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler import (
     AdamW, CompiledStep, TensorShape, collection_paused, compile_eval, compile_step, fit_budget, human_bytes,
-    tied_parameters,
+    tied_parameters, with_buffer_pool,
 )
 from .step.batch import check_example_batch
 from shardlang.spec.vocabulary import Recompute
@@ -155,9 +155,10 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
 
-    def at(config, traced=None, *, batch=example_batch, buffers=None, tied=None, dump_dir=dump_dir) -> CompiledStep:
+    def at(config, traced=None, *, batch=example_batch, buffers=None, tied=None, dump_dir=dump_dir,
+           buffer_pool=True) -> CompiledStep:
         return compile_step(model, loss_fn, config, optimizer, batch, check_each_pass=check_each_pass,
-                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied)
+                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied, buffer_pool=buffer_pool)
 
     recipe = Recipe(model, loss_fn, resolved, optimizer, at,
                     {name: TensorShape.of(b) for name, b in model.named_buffers()}, tied_parameters(model),
@@ -178,18 +179,20 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None) -> Co
     fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
     free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
     config = resolved.config
-    first = at(config.scheduled(recompute=fixed))
+    first = at(config.scheduled(recompute=fixed), buffer_pool=False)  # Note [pool after the search]
     cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
 
     def compile_at(recompute, depth):
         key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
         if key not in cache:
-            cache[key] = at(config.scheduled(recompute=recompute, prefetch=depth), traced=first.traced)
+            cache[key] = at(config.scheduled(recompute=recompute, prefetch=depth), traced=first.traced,
+                            buffer_pool=False)
         return cache[key]
 
     step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
                               max_prefetch=len(resolved.units), fixed=fixed, cost_model=cost_model,
-                              hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch))
+                              hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch),
+                              finish=with_buffer_pool)
     return attrs.evolve(step, budget=choice)
 
 
