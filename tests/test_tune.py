@@ -83,6 +83,21 @@ def test_pruning_by_the_step_floor_keeps_the_best_and_compiles_less():
     assert pruned.layouts_seen == exhaustive.layouts_seen
 
 
+def test_layouts_compiled_in_parallel_find_what_the_serial_search_finds():
+    job = _gpt_job()
+    world, budget = 2, int(2.1 * 2**20)
+    search = lambda keep, workers: tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer,  # noqa: E731
+                                        rank_batch(job, 0, world, 0), world, budget, CostModel(link=SLOW_LINK),
+                                        keep=keep, workers=workers)
+    seen = lambda r: ([(e.layout, e.step_time_s, e.peak, e.spec) for e in r.fitting],  # noqa: E731
+                      sorted((u.layout.describe(), u.least_bytes) for u in r.unfit))
+    serial, parallel = search(100, 1), search(100, 2)  # nothing pruned by time: the same layouts compiled
+    assert seen(parallel) == seen(serial) and parallel.compiles == serial.compiles
+    pruned = search(1, 2)
+    assert pruned.bounded and (pruned.best.layout, pruned.best.step_time_s) == (serial.best.layout,
+                                                                                serial.best.step_time_s)
+
+
 def test_tune_orders_by_predicted_time_and_its_spec_plans_to_what_it_predicted():
     job = _gpt_job()
     world, budget, model = 2, int(2.1 * 2**20), CostModel()
@@ -104,8 +119,8 @@ def test_the_command_writes_a_spec_that_run_takes(tmp_path, capfd):
     assert main(["tune", GPT, "--world", "1", "--memory-budget", "4MiB", "--measure", "2", "--measure-steps", "1",
                  "--out", str(out)]) == 0
     text = capfd.readouterr().out
-    assert re.search(r"searched \d+ layouts in [\d.]+ s with \d+ compiles: \d+ pruned by memory and \d+ by time",
-                     text)
+    assert re.search(r"searched \d+ layouts in [\d.]+ s with \d+ compiles \(\d+ at a time\): \d+ pruned by memory "
+                     r"and \d+ by time", text)
     assert "measuring the 2 best on 1 local rank" in text and "ratio" in text
     rows = re.findall(r"^\s+[12]\s+\S+ms\s+\S+ms\s+\S+\s+([\d.]+ \w+)\s+([\d.]+ \w+)\s+([\d.]+ \w+)\s", text, re.M)
     assert len(rows) == 2, text

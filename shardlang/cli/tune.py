@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..compiler import human_bytes
@@ -44,9 +45,21 @@ def add_parser(subparsers) -> None:
                              "measured fastest (default 0: choose by prediction)")
     parser.add_argument("--measure-steps", metavar="S", type=positive("a number of steps"), default=5,
                         help="timed steps per measured candidate, after 2 warm-up steps (default 5)")
+    parser.add_argument("--jobs", metavar="J", type=positive("a number of processes"), default=default_jobs(),
+                        help="layouts compiled at once, each in a process of its own (default: the cores this "
+                             f"process may use, at most {MAX_DEFAULT_JOBS}; each holds one compile in memory)")
     parser.add_argument("--out", metavar="PATH", default=None, help="write the chosen spec to PATH as TOML")
     add_model_arguments(parser)
     parser.set_defaults(command=main)
+
+
+MAX_DEFAULT_JOBS = 4
+
+
+def default_jobs() -> int:
+    """The cores this process may use, at most `MAX_DEFAULT_JOBS` (a 70B compile holds about 1 GB)."""
+    return max(1, min(MAX_DEFAULT_JOBS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
 
 
 def main(args) -> int:
@@ -58,8 +71,9 @@ def main(args) -> int:
           f"{args.compute}", flush=True)
     result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
                   args.memory_budget, cost_model(args), say=lambda line: print("  " + line, flush=True),
-                  keep=max(1, args.measure or 0))
-    print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles: "
+                  keep=max(1, args.measure or 0), workers=args.jobs)
+    print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles "
+          f"({args.jobs} at a time): "
           f"{sum(not u.compiled for u in result.unfit)} pruned by memory and {len(result.bounded)} by time "
           "before compiling\n")
     if result.best is None:

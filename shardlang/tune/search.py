@@ -48,9 +48,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 
 import attrs
 import torch
@@ -218,15 +221,43 @@ def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, wor
     return param_bytes + state
 
 
+@attrs.frozen
+class Job:
+    """What compiling any layout needs: the model, loss, spec, optimizer, per-rank batch, world, budget, costs."""
+
+    build_model: Callable[[], torch.nn.Module]
+    loss_fn: Callable
+    spec: Spec
+    optimizer: object
+    example_batch: object
+    world: int
+    budget: int | None
+    cost_model: CostModel
+
+
+@attrs.frozen
+class Outcome:
+    """One layout compiled: fitting (``evaluated``), over the budget (``unfit``) or not for this model (``skipped``)."""
+
+    layout: Layout
+    compiles: int
+    evaluated: Evaluated | None = None
+    unfit: Unfit | None = None
+    skipped: str | None = None
+    regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
+
+
 def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimizer, example_batch, world: int,
          budget: int | None, cost_model: CostModel, say: Callable[[str], None] = lambda _line: None,
-         keep: int = 1) -> TuneResult:
+         keep: int = 1, workers: int = 1) -> TuneResult:
     """Search the layouts of ``spec``'s model at ``world`` ranks under ``budget`` (Note [the tune search]).
 
     ``example_batch`` is the per-rank batch; ``say`` reports progress, one line per layout. ``keep``:
     how many of the fastest layouts must be exact (Note [step floor]): ``tune --measure K`` runs K.
+    ``workers``: layouts compiled at once, each in a process of its own (Note [layouts in parallel]).
     """
     started = time.perf_counter()
+    job = Job(build_model, loss_fn, spec, optimizer, example_batch, world, budget, cost_model)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -248,43 +279,110 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         flats = _summaries(resolved)
         queue.append((floor_of(layout, flats), bound, i, layout, flats, resolved.units))
     heapq.heapify(queue)
-    while queue:
-        floor, bound, i, layout, flats, units = heapq.heappop(queue)
-        if (refined := floor_of(layout, flats)) > floor:  # learnt re-gathers raise it: back in line
-            heapq.heappush(queue, (refined, bound, i, layout, flats, units))
-            continue
-        leading = sorted(e.step_time_s for e in fitting)[:keep]
-        if len(leading) == keep and floor >= leading[-1]:
+
+    def next_layout():
+        """The queue's most promising layout, or None when the rest cannot enter the leading ``keep``."""
+        while queue:
+            floor, bound, i, layout, flats, units = heapq.heappop(queue)
+            if (refined := floor_of(layout, flats)) > floor:  # learnt re-gathers raise it: back in line
+                heapq.heappush(queue, (refined, bound, i, layout, flats, units))
+                continue
+            leading = sorted(e.step_time_s for e in fitting)[:keep]
+            if len(leading) < keep or floor < leading[-1]:
+                return layout, units, bound
             for floor, _, _, layout, _, _ in sorted([(floor, bound, i, layout, flats, units), *queue]):
                 bounded.append(Bounded(layout, floor))
                 say(f"bounded  {layout.describe()}: its collectives alone take {_time(floor)}")
-            break
-        candidate = _spec_of(spec, layout, budget)
-        try:
-            compiled = api.plan(build_model, loss_fn, candidate, optimizer=optimizer, example_batch=example_batch,
-                                world_size=world, cost_model=cost_model)
-        except BudgetError as exc:
-            compiles += 1
-            unfit.append(Unfit(layout, exc.leanest_peak or bound, compiled=True))
-            say(f"no fit   {layout.describe()}: leanest {human_bytes(exc.leanest_peak or bound)}")
-            continue
-        except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
-            say(f"skipped  {layout.describe()}: {exc}")
-            continue
-        choice = getattr(compiled, "budget", None)
-        compiles += len(choice.tried) if choice is not None else 1
-        regathered[(layout.granularity, layout.strategy)] = frozenset(
-            op.flat for op in compiled.schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
-        plan = make_plan(compiled, cost_model=cost_model)
-        chosen_spec = _chosen(candidate, choice, units)
-        evaluated = Evaluated(layout, chosen_spec, plan.timeline.step_time_s, plan.timeline.exposed_comm_s,
-                              plan.memory.peak, choice.chosen.describe() if choice is not None else
-                              f"recompute as the job's, prefetch {spec.options.prefetch}")
-        fitting.append(evaluated)
-        say(f"planned  {evaluated.one_line()}: {_time(evaluated.step_time_s)}, {human_bytes(evaluated.peak)}")
+            queue.clear()
+        return None
+
+    with _compiler(job, workers) as submit:
+        running = set()
+        while True:
+            while len(running) < workers and (chosen := next_layout()) is not None:
+                running.add(submit(*chosen))
+            if not running:
+                break
+            done, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for outcome in (f.result() for f in done):
+                compiles += outcome.compiles
+                if outcome.evaluated is not None:
+                    regathered[(outcome.layout.granularity, outcome.layout.strategy)] = outcome.regathered
+                if outcome.skipped is not None:
+                    say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
+                elif outcome.unfit is not None:
+                    unfit.append(outcome.unfit)
+                    say(f"no fit   {outcome.layout.describe()}: leanest {human_bytes(outcome.unfit.least_bytes)}")
+                else:
+                    e = outcome.evaluated
+                    fitting.append(e)
+                    say(f"planned  {e.one_line()}: {_time(e.step_time_s)}, {human_bytes(e.peak)}")
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
     return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles,
                       tuple(bounded))
+
+
+def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 0) -> Outcome:
+    """Compile ``layout`` under the budget (the budget search chooses recompute and prefetch) and plan it.
+
+    ``units``: the layout's units, which the chosen recompute is written over; ``bound``: its
+    `held_lower_bound`, reported when the budget search names no leanest peak.
+    """
+    candidate = _spec_of(job.spec, layout, job.budget)
+    try:
+        compiled = api.plan(job.build_model, job.loss_fn, candidate, optimizer=job.optimizer,
+                            example_batch=job.example_batch, world_size=job.world, cost_model=job.cost_model)
+    except BudgetError as exc:
+        return Outcome(layout, 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True))
+    except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
+        return Outcome(layout, 0, skipped=str(exc))
+    choice = getattr(compiled, "budget", None)
+    regathered = frozenset(op.flat for op in compiled.schedule.ops
+                           if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
+    plan = make_plan(compiled, cost_model=job.cost_model)
+    evaluated = Evaluated(layout, _chosen(candidate, choice, units), plan.timeline.step_time_s,
+                          plan.timeline.exposed_comm_s, plan.memory.peak,
+                          choice.chosen.describe() if choice is not None else
+                          f"recompute as the job's, prefetch {job.spec.options.prefetch}")
+    return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
+                   regathered=regathered)
+
+
+@contextlib.contextmanager
+def _compiler(job: Job, workers: int):
+    """``submit(layout, units, bound)`` -> a future of its `Outcome`: here, or in ``workers`` forked processes.
+
+    Note [layouts in parallel]: a layout's compile is pure Python on one core (tracing, passes, planning), so
+    on a machine of several cores layouts are compiled side by side, each in a process of its own. The
+    processes are forked: they inherit the job (its model builder and loss, which need not pickle), and a
+    layout and its outcome are all that cross. The search stays best-first: a layout is sent when a process
+    is free, with the floor and the pruning of every outcome received so far. Pruning is sound whatever the
+    order outcomes arrive in, so the leading ``keep`` layouts are those of the search one at a time; a
+    layout the serial search would have pruned may be compiled while an earlier one still runs.
+    """
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one at a time
+        def submit(layout, units, bound):
+            future = futures.Future()
+            future.set_result(compile_layout(job, layout, units, bound))
+            return future
+
+        yield submit
+        return
+    context = multiprocessing.get_context("fork")
+    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_adopt, initargs=(job,)) as pool:
+        yield lambda layout, units, bound: pool.submit(_compile_in_worker, layout, tuple(units), bound)
+
+
+_WORKER_JOB: Job | None = None  # the job a forked worker compiles layouts of (Note [layouts in parallel])
+
+
+def _adopt(job: Job) -> None:
+    global _WORKER_JOB
+    _WORKER_JOB = job
+
+
+def _compile_in_worker(layout: Layout, units: tuple[str, ...], bound: int) -> Outcome:
+    return compile_layout(_WORKER_JOB, layout, units, bound)
 
 
 def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], world: int, cost_model: CostModel,
@@ -311,7 +409,7 @@ def _summaries(resolved) -> tuple[FlatSummary, ...]:
 
 
 def _time(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _gathered_units(model: torch.nn.Module, spec: Spec, layout: Layout) -> tuple[int, ...]:
