@@ -13,6 +13,9 @@ both must choose the same configuration with the same peak and predicted step.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import attrs
 
 import pytest
 
@@ -20,11 +23,13 @@ import models
 import shardlang as sl
 import shardlang.api as api
 from shardlang.step.batch import split_batch
-from shardlang.compiler.analysis.budget import fit_budget
-from shardlang.compiler.analysis.cost import ComputeModel, CostModel
+from shardlang.compiler.analysis.budget import BudgetError, fit_budget
+from shardlang.compiler import make_plan
+from shardlang.compiler.analysis.cost import LINKS, ComputeModel, CostModel
 from shardlang.spec.vocabulary import Recompute
 
 LAYERS = 6
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 #: Compute-bound (no per-op overhead): "full" recompute costs more than "selective", as at 70B.
@@ -56,13 +61,14 @@ def linear_choice(budget: int, compile_at, units, base_prefetch: int, max_prefet
     return {**shown, **{u: p.value for u, p in fixed.items()}}, best[2], best[3], best[4]
 
 
-def plan(world: int, budget=None, recompute=None):
+def plan(world: int, budget=None, recompute=None, cost_model=None):
     llama = models.load_llama_module()
     config = dataclasses.replace(llama.LlamaConfig(), n_layers=LAYERS)
     spec = sl.Spec(sl.Mesh(fsdp=world), units=["layers.*"], recompute=recompute,
                    options=sl.Options(memory_budget=budget))
     batch = split_batch(models.llama_batch(0), world, 0)
-    return sl.plan(lambda: llama.Llama(config), llama.loss_fn, spec, example_batch=batch, world_size=world)
+    return sl.plan(lambda: llama.Llama(config), llama.loss_fn, spec, example_batch=batch, world_size=world,
+                   cost_model=cost_model)
 
 
 @pytest.mark.parametrize("world, model", [(1, CostModel()), (4, CostModel()), (2, COMPUTE_BOUND)],
@@ -114,3 +120,28 @@ def test_policy_floor_is_below_every_full_configuration(model):
         floor = _policy_floor(none, memory, timeline, Recompute.FULL, units, budget, model)
         time_s = model.predict(step.schedule, step.graph_module).step_time_s
         assert timeline.step_time_s <= floor <= time_s
+
+
+def test_the_budget_counts_the_collective_scratch_of_the_cost_models_link():
+    """On an NCCL link no copy of a collective's payload is held (Note [collective scratch]): a budget that the
+    NCCL plan of keeping everything fits, and gloo's does not, is met with nothing recomputed, at the peak
+    the plan under that link reports. (examples/gpt.py at N=4: its peak lies in a gather.)"""
+    from shardlang.cli.common import rank_batch
+    from shardlang.cli.job import build, load_job
+
+    job, world, nccl = load_job(str(EXAMPLES / "gpt.py")), 4, CostModel(link=LINKS["nvlink"])
+
+    def gpt(budget, cost_model=None):
+        spec = attrs.evolve(job.spec, options=attrs.evolve(job.spec.options, memory_budget=budget))
+        return sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                       example_batch=rank_batch(job, 0, world, 0), world_size=world, cost_model=cost_model)
+
+    kept = gpt(None)
+    gloo_peak, nccl_peak = kept.memory.peak, make_plan(kept, cost_model=nccl).memory.peak
+    assert nccl_peak < gloo_peak
+    budget = (nccl_peak + gloo_peak) // 2
+    chosen = gpt(budget, nccl)
+    assert chosen.budget.chosen.recompute == ()
+    assert chosen.budget.chosen.peak == make_plan(chosen, cost_model=nccl).memory.peak <= budget
+    with pytest.raises(BudgetError):  # under gloo's copies the same budget fits nothing
+        gpt(budget)

@@ -3,7 +3,8 @@
 `fit_budget` is given a function that compiles the step (one trace, many
 option sets: `compile_step(traced=...)`) and the units it may choose for. A
 configuration is a recompute policy per unit and a prefetch depth; its planned
-peak is the memory plan's (`compiler.analysis.memory`) and its predicted step time the
+peak is the memory plan's (`compiler.analysis.memory`, with the collective scratch of
+the cost model's link: gloo's copies, none for NCCL) and its predicted step time the
 cost model's (`compiler.analysis.cost`). The search, with about ten compiles whatever
 the number of units:
 
@@ -51,7 +52,9 @@ bookkeeping, a few view ops (about 2 us of a 5 ms step on the examples).
 Pooling each configuration cost a quarter of each compile on the 70B plan (a
 memory plan, a graph copy and a shape propagation more) for a choice it does
 not change. The chosen configuration is reported as pooled: its peak and
-predicted time are read from the finished step, so they are the plan's. When nothing fits, `BudgetError` says by how much
+predicted time are read from the finished step, so they are the plan's. (The
+pool's slots are chosen against the gloo plan; on an NCCL link, where no
+scratch lies under them, a pooled step over the budget stays unpooled.) When nothing fits, `BudgetError` says by how much
 the leanest configuration misses and what would fit (more ranks, a smaller
 batch, ZeRO-3 for units that do not use it).
 
@@ -71,6 +74,7 @@ import attrs
 from shardlang.errors import SpecError
 from shardlang.spec.vocabulary import Recompute
 from ..schedule.schedule_format import human_bytes
+from .memory import backend_scratch, gloo_scratch, plan_memory
 
 
 class BudgetError(SpecError):
@@ -160,7 +164,15 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     fixed = dict(fixed or {})
     max_prefetch = len(units) + 1 if max_prefetch is None else max_prefetch
     compiled: dict[tuple, tuple[object, Candidate]] = {}
-    base: dict[str, object] = {}  # the first configuration's memory plan and timeline (Note [policy floor])
+    base: dict[str, object] = {}
+    scratch = backend_scratch(cost_model.link.backend)
+
+    def planned(step):
+        """The step's memory plan with its link's collective scratch (gloo's copies; none for NCCL)."""
+        if scratch is gloo_scratch:
+            return step.memory  # the compiled step's own plan, made once
+        return plan_memory(step.graph_module, step.schedule, step.context.inputs, scratch=scratch)
+  # the first configuration's memory plan and timeline (Note [policy floor])
 
     def evaluate(policy: Recompute, k: int, depth: int) -> Candidate:
         chosen = {u: policy for u in units[:k]} if policy is not Recompute.NONE else {}
@@ -169,7 +181,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
         if key not in compiled:
             step = compile_at(recompute, depth)
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
-            memory, timeline = step.memory, cost_model.predict(step.schedule, step.graph_module)
+            memory, timeline = planned(step), cost_model.predict(step.schedule, step.graph_module)
             base.setdefault("step", (step, memory, timeline))
             kept = {u.unit: u.kept for u in memory.units}
             compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k, kept))
@@ -203,9 +215,10 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     step = next(s for s, c in compiled.values() if c == best)
     others = [c for _, c in compiled.values() if c != best]
     if finish is not None:  # Note [pool after the search]: the chosen step as it will run, and its own figures
-        step = finish(step)
-        best = attrs.evolve(best, peak=step.memory.peak,
-                            step_time_s=cost_model.predict(step.schedule, step.graph_module).step_time_s)
+        finished = finish(step)
+        if finished is not step and (peak := planned(finished).peak) <= budget:
+            step, best = finished, attrs.evolve(best, peak=peak, step_time_s=cost_model.predict(
+                finished.schedule, finished.graph_module).step_time_s)
     tried = (best, *others)
     ranked = sorted((c for c in others if fits(c)), key=lambda c: c.step_time_s) or sorted(others, key=lambda c: c.peak)
     return step, BudgetChoice(budget, best, ranked[0] if ranked else None, tried)

@@ -107,6 +107,12 @@ PERSISTENT = (Category.PARAMETERS, Category.OPTIMIZER_STATE, Category.INPUTS, Ca
 NO_SCRATCH = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
 
 
+def backend_scratch(backend: str):
+    """The collective scratch of ``backend`` for `plan_memory`: gloo's copies, none for NCCL (Note [collective
+    scratch])."""
+    return gloo_scratch if backend == "gloo" else NO_SCRATCH
+
+
 def gloo_scratch(world_size: int) -> dict[str, float]:
     """gloo's in-flight copies per collective kind, in payloads (Note [collective scratch]).
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..collection import collection_paused
 from .cost import CostModel, Timeline
-from .memory import NO_SCRATCH, MemoryPlan, gloo_scratch, plan_memory
+from .memory import MemoryPlan, backend_scratch, plan_memory
 from ..schedule.schedule import OpKind, Schedule
 from ..schedule.schedule_format import _detail, _unit, human_bytes
 from ..ir.trace import GraphInput
@@ -88,7 +88,7 @@ def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, sche
         graph_module, schedule, inputs = compiled.graph_module, compiled.schedule, compiled.context.inputs
     cost_model = cost_model or CostModel()
     if scratch is None:
-        scratch = gloo_scratch if cost_model.link.backend == "gloo" else NO_SCRATCH
+        scratch = backend_scratch(cost_model.link.backend)
     memory = plan_memory(graph_module, schedule, inputs, scratch=scratch)
     return Plan(schedule, memory, cost_model.predict(schedule, graph_module), getattr(compiled, "budget", None))
 
