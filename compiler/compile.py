@@ -22,7 +22,7 @@ from .config import StepConfig
 from shardlang.spec.vocabulary import StepBackend
 from .ir.lazy_code import graph_module
 from .ir.replicate import trace_step_replicated
-from .ir.shapes import remember_shapes, shape_memo
+from .ir.shapes import drop_shape_memo, remember_shapes, shape_memo
 from .ir.tags import verify_tags
 from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.flat import FlatParam
@@ -99,7 +99,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     gm = copy_graph_module(traced.graph_module)
     # Note [incremental shapes], Note [shape memo]: shape propagation re-runs only what changed, once per trace
     remember_shapes(gm, shape_memo(traced.graph_module))
-    gm = run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir)
+    gm = drop_shape_memo(run_passes(gm, ctx, passes, check=check, dump_dir=dump_dir))
     schedule = read_schedule(gm, ctx)
     verify(schedule)
     compiled = CompiledStep(gm, ctx, schedule, traced)
@@ -119,7 +119,7 @@ def with_buffer_pool(compiled: CompiledStep) -> CompiledStep:
     if not chosen:
         return compiled
     memo = shape_memo(compiled.traced.graph_module)
-    pooled_gm = assign_buffers(copy_graph_module(compiled.graph_module), ctx, chosen, memo)
+    pooled_gm = drop_shape_memo(assign_buffers(copy_graph_module(compiled.graph_module), ctx, chosen, memo))
     schedule = read_schedule(pooled_gm, ctx)
     verify(schedule)
     return attrs.evolve(compiled, graph_module=pooled_gm, schedule=schedule)

@@ -332,7 +332,7 @@ class _Simulator:
         for node in self.nodes:
             if node.op == "placeholder":
                 continue  # the caller holds the inputs for the whole step
-            last = max((pos[u] for u in node.users), default=pos[node])
+            last = max(map(pos.__getitem__, node.users)) if node.users else pos[node]
             dies_at.setdefault(last, []).append(node)
         category = self._categories()
         size: dict[StorageWeakRef, int] = {}

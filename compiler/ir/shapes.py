@@ -40,7 +40,10 @@ values (the forward and backward gathers of one flat parameter): the memo keeps
 every value made for a key, and a value already given to a node in this
 propagation (the memo's, the trace's or an input) goes to no other node, but to
 an in-place op on it. Without a value left, the node runs and its value joins
-the memo.
+the memo. A trace's memo stays with the graph through the passes, so a later
+pass that changes a few nodes (`add_gradients_in_place`) re-runs them through
+it too, and knows which of the graph's values are fresh without asking again;
+`compile_step` drops it from the compiled graph (`drop_shape_memo`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def shape_memo(traced: fx.GraphModule) -> ShapeMemo:
 def remember_shapes(gm: fx.GraphModule, memo: ShapeMemo | None = None) -> None:
     """Note each node's arguments and whether its value is fresh, for `propagate_shapes` (Note [incremental shapes]).
 
+    ``memo``: the trace's `ShapeMemo`; without it, the one an earlier propagation of ``gm`` kept, if any.
+
     Kept in ``gm.meta`` by node: a node a pass makes (a copy too, whose
     ``meta`` is its original's) is not in it, and a pass that replaces an
     argument gives the node new ``args``, not the tuple noted here.
@@ -103,6 +108,7 @@ def remember_shapes(gm: fx.GraphModule, memo: ShapeMemo | None = None) -> None:
     remembered = gm.meta[_REMEMBERED] = {}
     if memo is not None:
         gm.meta[_MEMO] = memo
+    memo = gm.meta.get(_MEMO)  # given, or left by an earlier propagation of this graph
     known = memo.fresh if memo is not None else {}  # the trace's values are the same in each of its copies
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -116,10 +122,16 @@ def remember_shapes(gm: fx.GraphModule, memo: ShapeMemo | None = None) -> None:
         remembered[node] = (node.args, node.kwargs, node.target, known[key][2])
 
 
+def drop_shape_memo(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` without the trace's `ShapeMemo`: a compiled graph keeps no fake tensors of its compile."""
+    gm.meta.pop(_MEMO, None)
+    return gm
+
+
 def propagate_shapes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Refresh ``meta["val"]`` for the local sizes, re-running only what changed since `remember_shapes`."""
     remembered = gm.meta.pop(_REMEMBERED, None) or {}
-    memo = gm.meta.pop(_MEMO, None) or ShapeMemo()
+    memo = gm.meta.get(_MEMO) or ShapeMemo()  # a trace's stays: a later pass's propagation reuses it
     mode = (pytree.tree_leaves(next(iter(remembered)).meta["val"])[0].fake_mode if remembered
             else FakeTensorMode(allow_non_fake_inputs=True))
     inputs = _local_inputs(gm, ctx, mode, memo.inputs)
