@@ -325,6 +325,14 @@ class _Simulator:
         self.breakdown_during: list[dict[str, int]] = []
         self.kept_by_unit: dict[str, int] = {}  # Note [activations per unit]
         self.recomputed_by_unit: dict[str, int] = {}
+        self._storages: dict[fx.Node, list[tuple[StorageWeakRef, int]]] = {}
+
+    def _storages_of(self, node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
+        """`_storages` of ``node``'s value, found once: the categories and the replay both read them."""
+        found = self._storages.get(node)
+        if found is None:
+            found = self._storages[node] = _storages(node.meta.get("val"))
+        return found
 
     def run(self, op_of: dict[str, int]) -> list[NodeMemory]:
         pos = {n: i for i, n in enumerate(self.nodes)}
@@ -345,7 +353,7 @@ class _Simulator:
         made_by: dict[StorageWeakRef, fx.Node] = {}
         for node in self.nodes:  # Note [kept buffers in the plan]: held since the step before, as the pool's slots
             if is_kept(node) or kind_of(node) is NodeKind.SLOT:
-                for key, nbytes in _storages(node.meta.get("val")):
+                for key, nbytes in self._storages_of(node):
                     if key not in size:
                         size[key], refs[key], made_by[key] = nbytes, 0, node
                         live[category[key].value] += nbytes
@@ -357,7 +365,7 @@ class _Simulator:
                 self._count_kept(refs, size, category, made_by)
             allocated = 0
             keys = []
-            for key, nbytes in _storages(node.meta.get("val")):
+            for key, nbytes in self._storages_of(node):
                 if key in keys:
                     continue
                 keys.append(key)
@@ -403,7 +411,7 @@ class _Simulator:
         if kind is None or not kind.is_collective:
             return 0
         payload_node = node if kind is NodeKind.ALL_GATHER else node.args[0]
-        payload = sum(n for _, n in _storages(payload_node.meta.get("val")))
+        payload = sum(n for _, n in self._storages_of(payload_node))
         extra = int(_scale(self.scratch, kind.value, _group_size(node)) * payload)
         waits = [u for u in node.users if kind_of(u) is not None and kind_of(u).is_wait]
         if not extra or not waits:
@@ -436,15 +444,15 @@ class _Simulator:
         category: dict[StorageWeakRef, Category] = {}
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         for spec, node in zip(self.inputs, placeholders):
-            for key, _ in _storages(node.meta.get("val")):
+            for key, _ in self._storages_of(node):
                 category.setdefault(key, _ROLE_CATEGORY[spec.role])
         for node in placeholders[len(self.inputs):]:
-            for key, _ in _storages(node.meta.get("val")):
+            for key, _ in self._storages_of(node):
                 category.setdefault(key, Category.INPUTS)
         for node in self.nodes:
             if node.op == "placeholder":
                 continue
-            for key, _ in _storages(node.meta.get("val")):
+            for key, _ in self._storages_of(node):
                 category.setdefault(key, Category.REDUCTION_BUFFERS if is_kept(node) else
                                     Category.BUFFER_POOL if kind_of(node) is NodeKind.SLOT else _node_category(node))
         for node in self.nodes:  # what a reduction packs, or an update reads by member, is a parameter gradient
@@ -455,7 +463,7 @@ class _Simulator:
             else:
                 continue
             for arg in gradients:
-                for key, _ in _storages(arg.meta.get("val")):
+                for key, _ in self._storages_of(arg):
                     if category.get(key) in (Category.TEMPORARIES, Category.ACTIVATIONS):
                         category[key] = Category.GRADIENT_BUFFERS
         return category
