@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 import shardlang as sl
@@ -96,6 +97,43 @@ def test_layouts_compiled_in_parallel_find_what_the_serial_search_finds():
     pruned = search(1, 2)
     assert pruned.bounded and (pruned.best.layout, pruned.best.step_time_s) == (serial.best.layout,
                                                                                 serial.best.step_time_s)
+
+
+def _llama_job(layers: int):
+    import dataclasses
+
+    import models
+    from shardlang.step.batch import split_batch
+
+    llama = models.load_llama_module()
+    config = dataclasses.replace(llama.LlamaConfig(), n_layers=layers)
+    return (lambda: llama.Llama(config)), llama.loss_fn, sl.Spec(sl.Mesh(fsdp=2), units=["layers.*"]), \
+        (lambda world: split_batch(models.llama_batch(0), world, 0))
+
+
+def test_the_leading_layouts_are_tried_with_their_blocks_grouped(tmp_path):
+    """Note [grouped blocks]: on a link where each collective's latency dominates, two and four layers to a
+    collective predict faster than one, and the grouped spec runs what was predicted."""
+    build_llama, loss_fn, spec, batch_of = _llama_job(8)
+    world, latency = 2, CostModel(link=LinkModel("latency", alpha_s=5e-3, bandwidth=1e12, backend="gloo"))
+    result = tune(build_llama, loss_fn, spec, sl.AdamW(lr=1e-3), batch_of(world), world, None, latency, keep=100)
+    evaluated = {e.layout: e for e in result.fitting}
+    one = next(e for lay, e in evaluated.items() if lay.granularity == "job" and lay.strategy is Strategy.ZERO3
+               and lay.group == 1 and len(lay.mesh.axes) == 1)
+    grouped = {g: evaluated[lay] for g in (2, 4) for lay in evaluated
+               if lay == attrs.evolve(one.layout, group=g, bucket_bytes=lay.bucket_bytes)}
+    assert set(grouped) == {2, 4}
+    assert grouped[4].step_time_s < grouped[2].step_time_s < one.step_time_s
+    for g, e in grouped.items():
+        compiled = sl.plan(build_llama, loss_fn, e.spec, optimizer=sl.AdamW(lr=1e-3), example_batch=batch_of(world),
+                           world_size=world)
+        layers = [[u for u in f.unit.split("+") if u.startswith("layers.")] for f in compiled.flats]
+        assert sorted(len(group) for group in layers if group)[1:] == [g] * (8 // g - 1), layers
+        assert e.spec.options.bucket_bytes == e.layout.bucket_bytes > 0
+        plan = make_plan(compiled, cost_model=latency)
+        assert (plan.memory.peak, plan.timeline.step_time_s) == (e.peak, e.step_time_s)
+        (tmp_path / "spec.toml").write_text(e.spec.to_toml())
+        assert sl.Spec.from_toml(tmp_path / "spec.toml").options.bucket_bytes == e.layout.bucket_bytes
 
 
 def test_tune_orders_by_predicted_time_and_its_spec_plans_to_what_it_predicted():

@@ -1,7 +1,8 @@
 """``shardlang tune FILE --world N [--memory-budget SIZE] [--measure K] [--out spec.toml]``: choose the spec.
 
 Searches the layouts of the job's model (unit granularity, one strategy per
-unit, the mesh split) and, in each, recompute and prefetch under the budget
+unit, the mesh split, blocks grouped per collective), J at a time with
+``--jobs J``, and, in each, recompute and prefetch under the budget
 (Note [the tune search] in `shardlang.tune.search`); prints the leading
 candidates, explains the choice, and writes the best as a TOML spec that
 ``run``, ``plan`` and ``check`` take with ``--spec``. With ``--measure K`` the K

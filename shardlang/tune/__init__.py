@@ -1,6 +1,6 @@
 """``shardlang tune``: the compiler chooses the spec under a memory budget (docs/tune.md).
 
-`search.tune` searches layouts (unit granularity, strategy, mesh split) and, in
+`search.tune` searches layouts (unit granularity, strategy, mesh split, blocks grouped) and, in
 each, the budget search's recompute and prefetch (Note [the tune search]);
 `measure.measure` runs the leading specs for real (``--measure K``).
 """
