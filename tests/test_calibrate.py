@@ -16,7 +16,8 @@ from shardlang.errors import SpecError
 from shardlang.step.batch import split_batch
 from shardlang.cli.common import rank_batch
 from shardlang.cli.job import build
-from shardlang.tune.calibrate import _gpt_job, compute_scale, fit_link, read_calibration, scaled_compute
+from shardlang.tune.calibrate import (_gpt_job, compute_scale, fit_link, read_calibration, scaled_compute,
+                                      step_budget)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -38,6 +39,8 @@ def test_calibrate_writes_a_file_that_plan_and_tune_take(tmp_path, capsys):
     fit = raw["step_fit"]
     assert fit["measured_s"] > 0 and fit["predicted_s"] > 0 and 0.25 <= fit["scale"] <= 8
     assert "the 10M GPT's step on 2 ranks" in text
+    # Note [the runtime's share]: what the 10M step's process held in use beyond its plan (about 33 MiB here)
+    assert isinstance(raw["runtime_bytes"], int) and 0 <= raw["runtime_bytes"] < 256 * 2**20
     job = _gpt_10m()
     planned = sl.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
                       example_batch=rank_batch(job, 0, 2, 0), world_size=2)
@@ -101,3 +104,30 @@ def test_a_bad_calibration_file_names_the_field(tmp_path, edit, names):
     path.write_text(json.dumps(raw))
     with pytest.raises(SpecError, match=names):
         read_calibration(path)
+
+
+def test_a_budget_with_a_calibration_leaves_out_the_runtimes_share(tmp_path, capsys):
+    """Note [the runtime's share]: the step plans within the budget less what the runtime was measured holding."""
+    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0,
+           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
+           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
+                       "view_overhead_s": 1e-6}, "runtime_bytes": 3 * 2**20}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(raw))
+    assert step_budget(8 * 2**20, path) == 5 * 2**20
+    with pytest.raises(SpecError, match=r"runtime alone holding 3\.00 MiB"):
+        step_budget(3 * 2**20, path)
+    assert main(["tune", GPT, "--world", "2", "--memory-budget", "5MiB", "--calibration", str(path),
+                 "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the runtime's own 3.00 MiB (measured by the calibration) come off the budget: each step plans within " \
+           "2.00 MiB" in out
+    assert main(["plan", GPT, "--world", "2", "--memory-budget", "5MiB", "--calibration", str(path)]) == 0
+    assert "memory budget 2.00 MiB per rank" in capsys.readouterr().out
+    raw.pop("runtime_bytes")  # a calibration from before the field: nothing comes off
+    path.write_text(json.dumps(raw))
+    assert step_budget(8 * 2**20, path) == 8 * 2**20
+    raw["runtime_bytes"] = -1
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match="runtime_bytes is -1"):
+        step_budget(8 * 2**20, path)

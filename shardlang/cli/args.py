@@ -160,6 +160,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "--link and --compute")
 
 
+def step_memory_budget(args) -> int | None:
+    """``--memory-budget`` less the runtime's share a ``--calibration`` measured (Note [the runtime's share])."""
+    budget = getattr(args, "memory_budget", None)
+    if budget is None or not getattr(args, "calibration", None):
+        return budget
+    from ..tune.calibrate import step_budget
+
+    return step_budget(budget, args.calibration)
+
+
 def cost_model(args) -> CostModel:
     contention = 1.0
     if getattr(args, "calibration", None):

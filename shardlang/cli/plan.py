@@ -30,7 +30,7 @@ from .. import api
 from ..compiler import CostModel
 from .job import build, global_batch, load_job
 from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, output_file, positive,
-                   recompute_rule, spec_path)
+                   recompute_rule, spec_path, step_memory_budget)
 from .common import eval_example, shown, split_for_rank
 
 
@@ -71,7 +71,7 @@ def main(args) -> int:
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     model = cost_model(args)
     with quiet:
-        job, plan = plan_job(args.file, args.world, model, memory_budget=args.memory_budget,
+        job, plan = plan_job(args.file, args.world, model, memory_budget=step_memory_budget(args),
                              recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval,
                              spec_file=spec_path(args))
         _write_pictures(args, plan)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..compiler import human_bytes
 from ..tune.search import tune
-from .args import add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, positive, spec_path
+from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, positive,
+                   spec_path, step_memory_budget)
 from .common import rank_batch, shown
 from .job import build, load_job
 
@@ -70,8 +71,12 @@ def main(args) -> int:
     print(f"shardlang tune {shown(job.path)}: world {world}, budget "
           f"{human_bytes(args.memory_budget) if args.memory_budget else 'none'}, cost model {args.link} / "
           f"{args.compute}", flush=True)
+    budget = step_memory_budget(args)
+    if budget != args.memory_budget:
+        print(f"  the runtime's own {human_bytes(args.memory_budget - budget)} (measured by the calibration) come "
+              f"off the budget: each step plans within {human_bytes(budget)}", flush=True)
     result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
-                  args.memory_budget, cost_model(args), say=lambda line: print("  " + line, flush=True),
+                  budget, cost_model(args), say=lambda line: print("  " + line, flush=True),
                   keep=max(1, args.measure or 0), workers=args.jobs)
     print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles "
           f"({args.jobs} at a time): "

@@ -28,6 +28,17 @@ Note [calibration]: short probes on the real backend, N local ranks:
   cost model predicts that step: ``step_fit`` records the measured and the
   unscaled predicted step and the factor.
 
+Note [the runtime's share]: the memory plan counts the step's tensors; a
+process running it holds more (the compiled graphs, gloo's buffers, Python's
+and torch's own allocations). On that same step, one more step runs with
+malloc's bytes in use sampled (`MallocPeak`, as ``tune --measure`` samples
+them), and what was in use at the peak beyond the planned peak, on the rank
+that held the most, is ``runtime_bytes``: about 33 MiB on this machine. A
+``--memory-budget`` given with the calibration is the process's: ``plan`` and
+``tune`` plan the step within the budget less ``runtime_bytes``
+(`step_budget`). A larger step's plan can hold more than the bytes in use
+(the 100M GPT's does), so this errs on the side of fitting.
+
 The calibration is JSON (format ``shardlang.calibration``) that ``plan`` and
 ``tune`` take with ``--calibration FILE``; it is read as untrusted input: each
 field checked, a bad one a `SpecError` naming the file and the field.
@@ -37,6 +48,7 @@ Example::
     calibration = calibrate(nproc=2)
     Path("machine.json").write_text(calibration.to_json())
     model = read_calibration("machine.json")        # a CostModel
+    step_budget(150 * 2**20, "machine.json")        # the budget less the runtime's share
 """
 
 from __future__ import annotations
@@ -53,9 +65,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..compiler import CostModel
+from ..compiler import CostModel, human_bytes, make_plan
 from ..compiler.analysis.cost import ComputeModel, LinkModel
 from ..errors import SpecError
+from ..runtime.peak_memory import MallocPeak, malloc_in_use
 
 FORMAT = "shardlang.calibration"
 VERSION = 1
@@ -75,6 +88,7 @@ class Calibration:
     threads: int
     samples: tuple[tuple[str, int, float], ...]  # (kind, payload bytes, seconds)
     step_fit: dict | None = None  # {"measured_s", "predicted_s" (unscaled), "scale"}: the step at world_size
+    runtime_bytes: int = 0  # Note [the runtime's share]: bytes in use at the step's peak beyond its plan
 
     def cost_model(self) -> CostModel:
         return CostModel(link=self.link, compute=self.compute, contention=self.contention)
@@ -83,7 +97,8 @@ class Calibration:
         return json.dumps({"format": FORMAT, "version": VERSION, "world_size": self.world_size,
                            "threads": self.threads, "link": attrs.asdict(self.link),
                            "compute": attrs.asdict(self.compute), "compute_slowdown_under_comm": self.contention,
-                           "step_fit": self.step_fit, "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
+                           "step_fit": self.step_fit, "runtime_bytes": self.runtime_bytes,
+                           "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
 
     def summary(self) -> str:
         lines = [f"link ({self.link.backend}, {self.world_size} ranks): alpha {self.link.alpha_s * 1e6:.1f} us per "
@@ -98,6 +113,9 @@ class Calibration:
             lines.append(f"the 10M GPT's step on {self.world_size} ranks: measured {fit['measured_s'] * 1e3:.1f} ms, "
                          f"predicted {fit['predicted_s'] * 1e3:.1f} ms by the probes alone; compute scaled by "
                          f"{fit['scale']:.3f} to match")
+        if self.runtime_bytes:
+            lines.append(f"the runtime holds {human_bytes(self.runtime_bytes)} in use beyond the step's plan at its "
+                         "peak: --memory-budget leaves it out of what the step may plan")
         fit = self.cost_model().link
         worst = max(abs(fit.time(k, self.world_size, p) / t - 1) for k, p, t in self.samples)
         lines.append(f"the link's fit is within {100 * worst:.0f}% of each of its {len(self.samples)} samples")
@@ -125,7 +143,8 @@ def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
     probed = CostModel(link=link, compute=compute, contention=contention)
     fit = launch(step_rank, nproc, probed, reps, timeout=None, threads=threads,
                  name="shardlang calibrate: a step")[0]
-    return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit)
+    runtime = fit.pop("runtime_bytes")
+    return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit, runtime)
 
 
 def step_rank(ctx, model: CostModel, reps: int) -> dict:
@@ -135,21 +154,28 @@ def step_rank(ctx, model: CostModel, reps: int) -> dict:
     from ..cli.job import build
 
     job = _gpt_job("10M")
+    in_use_base = malloc_in_use()
     step = compile_job(job, build(job), rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
+    steps = 2 + max(3, reps // 2)
     times = []
-    for k in range(2 + max(3, reps // 2)):
+    for k in range(steps):
         batch = rank_batch(job, k, ctx.world_size, ctx.rank)
         begin = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - begin)
-    slowest = torch.tensor(times[2:], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    measured = statistics.median(slowest.tolist())
+    with MallocPeak() as sampled:  # untimed, as tune --measure samples it
+        step(rank_batch(job, steps, ctx.world_size, ctx.rank))
     compiled = step.compiled
+    planned = make_plan(compiled, cost_model=model).memory.peak
+    beyond = 0.0 if sampled.peak is None or in_use_base is None else float(sampled.peak - in_use_base - planned)
+    slowest = torch.tensor([*times[2:], beyond], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    measured = statistics.median(slowest[:-1].tolist())
     predicted = model.predict(compiled.schedule, compiled.graph_module).step_time_s
     return {"measured_s": measured, "predicted_s": predicted,
             "scale": compute_scale(model, lambda m: m.predict(compiled.schedule, compiled.graph_module).step_time_s,
-                                   measured)}
+                                   measured),
+            "runtime_bytes": max(0, int(slowest[-1]))}
 
 
 def scaled_compute(compute: ComputeModel, scale: float) -> ComputeModel:
@@ -354,6 +380,26 @@ def read_calibration(path: str | Path) -> CostModel:
                                  view_overhead_s=number(compute, "view_overhead_s", "compute"))
     contention = number(raw, "compute_slowdown_under_comm", "calibration", least=1.0)
     return CostModel(link=link_model, compute=compute_model, contention=contention)
+
+
+def step_budget(budget: int, path: str | Path) -> int:
+    """``budget`` (a process's bytes) less the calibration's ``runtime_bytes`` (Note [the runtime's share]).
+
+    A calibration without the field (an older one) takes nothing off; the rest of the file is checked by
+    `read_calibration`.
+    """
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        read_calibration(path)  # raises with the reason
+        raise
+    runtime = raw.get("runtime_bytes", 0) if isinstance(raw, dict) else 0
+    if isinstance(runtime, bool) or not isinstance(runtime, int) or runtime < 0:
+        raise SpecError(f"--calibration {path}: runtime_bytes is {runtime!r}; expected a whole number of bytes >= 0")
+    if runtime >= budget:
+        raise SpecError(f"--memory-budget {human_bytes(budget)}: the calibration {path} measured the runtime alone "
+                        f"holding {human_bytes(runtime)}; a budget above that leaves room for the step")
+    return budget - runtime
 
 
 def _best(fn, reps: int) -> float:
