@@ -89,3 +89,32 @@ def test_run_log_every_and_metrics_on_two_ranks(tmp_path):
     assert all(len(r["peak_memory_bytes"]) == 2 and r["samples"] == 16 for r in records)  # MLP's global batch
     losses = {int(k): float(loss) for k, _n, loss in LOSS_LINE.findall(result.stdout)}
     assert all(abs(r["loss"] - losses[r["step"]]) < 1e-6 for r in records)
+
+
+class ClosedPipe(io.StringIO):
+    """A reader that went away: every write raises, as a pipe whose reader exited does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_stops_the_lines_not_the_run():
+    """`shardlang run ... | head`: once the pipe is closed, the reporter prints nothing more and training goes on."""
+    report(5, ProgressOptions(log_every=1), ClosedPipe())  # raises without the guard
+
+
+def test_run_piped_into_a_reader_that_stops_early_exits_0():
+    import os
+    import subprocess
+    import sys
+
+    from test_cli import ROOT, TORCHRUN_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    proc = subprocess.Popen([sys.executable, "-m", "shardlang", "run", MLP, "--nproc", "2", "--steps", "20"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # the header; the steps' lines then meet a closed pipe
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert b"BrokenPipe" not in err and b"Traceback" not in err, err.decode()

@@ -209,10 +209,13 @@ class RunReporter:
         }
 
     def _print(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.write(line, file=self._out)
-        else:
-            print(line, file=self._out, flush=True)
+        try:
+            if self._bar is not None:
+                self._bar.write(line, file=self._out)
+            else:
+                print(line, file=self._out, flush=True)
+        except BrokenPipeError:  # the reader is gone (`shardlang run ... | head`): train on, print nothing more
+            self._out = _silenced(self._out)
 
     def _make_bar(self):
         from tqdm import tqdm
@@ -250,3 +253,23 @@ def _terminal_columns(stream: IO[str]) -> int:
         return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
         return 0
+
+
+def print_while_read(*args, **kwargs) -> None:
+    """``print``, flushed; once the reader of the stream has gone (`shardlang run ... | head`), nothing: the
+    run goes on without its console rather than fail on a closed pipe."""
+    try:
+        print(*args, **kwargs, flush=True)
+    except BrokenPipeError:
+        _silenced(kwargs.get("file") or sys.stdout)
+
+
+def _silenced(out):
+    """A stream to devnull in place of ``out``, whose reader closed the pipe; ``out``'s own descriptor, when it has
+    one, points at devnull too, so no later flush (the interpreter's at exit) raises again."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - it lives as long as the process
+    try:
+        os.dup2(devnull.fileno(), out.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor of its own: a StringIO, a closed stream
+        pass
+    return devnull

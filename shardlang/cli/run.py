@@ -49,7 +49,7 @@ from ..checkpoint.store import check_directory, steps_of
 from ..checkpoint.periodic import Periodic
 from ..errors import CheckpointError, NonFiniteError, SpecError
 from .job import Job, build, load_job
-from .progress import ProgressOptions, RunReporter
+from .progress import ProgressOptions, RunReporter, print_while_read
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
@@ -238,7 +238,7 @@ def _nothing_to_do(checkpoints: Checkpointing, steps: int, shown: bool) -> bool:
     """Say so (on rank 0) when a resumed run has no step left to train."""
     reason = checkpoints.nothing_to_do(steps)
     if reason is not None and shown:
-        print(reason, flush=True)
+        print_while_read(reason)
     return reason is not None
 
 
@@ -405,4 +405,4 @@ def _printer(ctx: DistContext):
     """``print`` (flushed) on rank 0; nothing elsewhere."""
     if not ctx.is_main:
         return lambda *_args, **_kwargs: None
-    return lambda *args, **kwargs: print(*args, **kwargs, flush=True)
+    return print_while_read
