@@ -304,37 +304,33 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         return communication_floor(flats, dict(layout.mesh.axes), world, cost_model, known)
 
     queue, fitting, unfit, bounded, compiles = [], [], [], [], 0
-    searched = layouts(model, spec, world)
-    order = itertools.count(len(searched))  # ties in the queue go to the earlier layout, never to a comparison
-    for i, layout in enumerate(searched):
-        bound = held_lower_bound(layout, param_bytes, state_per_param, world, _gathered_units(model, spec, layout))
+    flats_of: dict[Layout, tuple[FlatSummary, ...]] = {}
+    grouped: set[Layout] = set()  # the layouts whose blocks were grouped (Note [grouped blocks])
+
+    def enqueue(layout: Layout, index: int, gathered: tuple[int, ...], resolved=None) -> None:
+        """Queue ``layout`` by its step floor, or prune it when what it must hold is over the budget."""
+        bound = held_lower_bound(layout, param_bytes, state_per_param, world, gathered)
         if budget is not None and bound > budget:
             unfit.append(Unfit(layout, bound, compiled=False))
             say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
-            continue
-        resolved = _spec_of(spec, layout, None).resolve(model, world)  # once: the floor's flats, the written units
-        flats = _summaries(resolved)
-        queue.append((floor_of(layout, flats), bound, i, layout, flats, resolved.units))
-    heapq.heapify(queue)
-    flats_of = {entry[3]: entry[4] for entry in queue}
-    grouped: set[Layout] = set()  # the layouts whose blocks were grouped (Note [grouped blocks])
+            return
+        resolved = resolved or _spec_of(spec, layout, None).resolve(model, world)  # the floor's flats, the units
+        flats = flats_of[layout] = _summaries(resolved)
+        heapq.heappush(queue, (floor_of(layout, flats), bound, index, layout, flats, resolved.units))
+
+    searched = layouts(model, spec, world)
+    for i, layout in enumerate(searched):
+        enqueue(layout, i, _gathered_units(model, spec, layout))
+    order = itertools.count(len(searched))  # ties in the queue go to the earlier layout, never to a comparison
 
     def group_leading() -> None:
         """Queue the groupings of the leading ``keep`` layouts not grouped yet (Note [grouped blocks])."""
         for e in sorted(fitting, key=lambda e: (e.step_time_s, e.peak))[:keep]:
-            if e.layout.group != 1 or e.layout in grouped:
-                continue
-            grouped.add(e.layout)
-            for variant in grouped_layouts(e.layout, flats_of[e.layout]):
-                resolved = _spec_of(spec, variant, None).resolve(model, world)
-                flats = _summaries(resolved)
-                bound = held_lower_bound(variant, param_bytes, state_per_param, world, _gathered_flats(flats))
-                if budget is not None and bound > budget:
-                    unfit.append(Unfit(variant, bound, compiled=False))
-                    say(f"pruned   {variant.describe()}: holds at least {human_bytes(bound)}")
-                    continue
-                flats_of[variant] = flats
-                heapq.heappush(queue, (floor_of(variant, flats), bound, next(order), variant, flats, resolved.units))
+            if e.layout.group == 1 and e.layout not in grouped:
+                grouped.add(e.layout)
+                for variant in grouped_layouts(e.layout, flats_of[e.layout]):
+                    resolved = _spec_of(spec, variant, None).resolve(model, world)
+                    enqueue(variant, next(order), _gathered_flats(_summaries(resolved)), resolved)
 
     def next_layout():
         """The queue's most promising layout, or None when the rest cannot enter the leading ``keep``."""
