@@ -68,7 +68,7 @@ import torch.distributed as dist
 from ..compiler import CostModel, human_bytes, make_plan
 from ..compiler.analysis.cost import ComputeModel, LinkModel
 from ..errors import SpecError
-from ..runtime.peak_memory import MallocPeak, malloc_in_use
+from ..runtime.peak_memory import malloc_in_use
 
 FORMAT = "shardlang.calibration"
 VERSION = 1
@@ -124,11 +124,12 @@ class Calibration:
 
 def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
     """Measure the link on ``nproc`` local ranks and the compute with the threads one of them gets."""
+    from ..cli.common import threads_per_rank
     from ..runtime.launcher import launch
 
     if nproc < 2:
         raise SpecError(f"--nproc {nproc}: measuring a link needs at least 2 ranks")
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads_per_rank(nproc)
     results = launch(probe_rank, nproc, reps, timeout=None, threads=threads, name="shardlang calibrate")
     samples = tuple((kind, payload, max(r["link"][f"{kind}/{payload}"] for r in results))
                     for kind in KINDS for payload in PAYLOADS)
@@ -153,22 +154,16 @@ def step_rank(ctx, model: CostModel, reps: int) -> dict:
     from ..cli.common import compile_job, rank_batch
     from ..cli.job import build
 
+    from .measure import timed_steps
+
     job = _gpt_job("10M")
     in_use_base = malloc_in_use()
     step = compile_job(job, build(job), rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
-    steps = 2 + max(3, reps // 2)
-    times = []
-    for k in range(steps):
-        batch = rank_batch(job, k, ctx.world_size, ctx.rank)
-        begin = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - begin)
-    with MallocPeak() as sampled:  # untimed, as tune --measure samples it
-        step(rank_batch(job, steps, ctx.world_size, ctx.rank))
+    times, sampled_peak = timed_steps(ctx, job, step, max(3, reps // 2), warmup=2)  # as tune --measure times it
     compiled = step.compiled
     planned = make_plan(compiled, cost_model=model).memory.peak
-    beyond = 0.0 if sampled.peak is None or in_use_base is None else float(sampled.peak - in_use_base - planned)
-    slowest = torch.tensor([*times[2:], beyond], dtype=torch.float64)
+    beyond = 0.0 if sampled_peak is None or in_use_base is None else float(sampled_peak - in_use_base - planned)
+    slowest = torch.tensor([*times, beyond], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     measured = statistics.median(slowest[:-1].tolist())
     predicted = model.predict(compiled.schedule, compiled.graph_module).step_time_s
@@ -344,11 +339,10 @@ def _gpt_job(size: str):
             os.environ["GPT_SIZE"] = saved
 
 
-def read_calibration(path: str | Path) -> CostModel:
-    """The cost model of a calibration file, every field checked (it is untrusted input)."""
-    file = Path(path)
+def _calibration_file(path: str | Path) -> dict:
+    """A calibration file's JSON object, its format and version checked (it is untrusted input)."""
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(Path(path).read_text())
     except OSError as exc:
         raise SpecError(f"--calibration {str(path)!r} cannot be read ({exc.strerror or exc}); write one with "
                         "`shardlang calibrate --out machine.json`") from None
@@ -357,6 +351,12 @@ def read_calibration(path: str | Path) -> CostModel:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise SpecError(f"--calibration {path}: not a {FORMAT} version {VERSION} file; write one with "
                         "`shardlang calibrate --out machine.json`")
+    return raw
+
+
+def read_calibration(path: str | Path) -> CostModel:
+    """The cost model of a calibration file, every field checked (it is untrusted input)."""
+    raw = _calibration_file(path)
 
     def number(table: dict, key: str, where: str, least: float = 0.0, strict: bool = False) -> float:
         value = table.get(key) if isinstance(table, dict) else None
@@ -385,15 +385,9 @@ def read_calibration(path: str | Path) -> CostModel:
 def step_budget(budget: int, path: str | Path) -> int:
     """``budget`` (a process's bytes) less the calibration's ``runtime_bytes`` (Note [the runtime's share]).
 
-    A calibration without the field (an older one) takes nothing off; the rest of the file is checked by
-    `read_calibration`.
+    A calibration without the field (an older one) takes nothing off; its other fields are `read_calibration`'s.
     """
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        read_calibration(path)  # raises with the reason
-        raise
-    runtime = raw.get("runtime_bytes", 0) if isinstance(raw, dict) else 0
+    runtime = _calibration_file(path).get("runtime_bytes", 0)
     if isinstance(runtime, bool) or not isinstance(runtime, int) or runtime < 0:
         raise SpecError(f"--calibration {path}: runtime_bytes is {runtime!r}; expected a whole number of bytes >= 0")
     if runtime >= budget:

@@ -67,6 +67,21 @@ def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, wa
     step = compile_job(job, model, rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
     del model
     peak.mark_init()
+    times, sampled_peak = timed_steps(ctx, job, step, steps, warmup)
+    in_use = -1.0 if sampled_peak is None or in_use_base is None else float(sampled_peak - in_use_base)
+    values = torch.tensor([*times, float(peak.values()[1]), in_use], dtype=torch.float64)
+    if ctx.has_process_group:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return Measured(statistics.median(values[:-2].tolist()), int(values[-2]),
+                    None if values[-1] < 0 else int(values[-1]))
+
+
+def timed_steps(ctx: DistContext, job, step, steps: int, warmup: int) -> tuple[list[float], int | None]:
+    """This rank's seconds for each of ``steps`` steps after ``warmup``, and malloc's bytes in use at the peak
+    of one more step, untimed (the sampling thread shares the GIL with the step; None where glibc cannot say).
+
+    Batches are the job's for steps 0, 1, ... on this rank; `calibrate` times its step the same way.
+    """
     times = []
     for k in range(warmup + steps):
         batch = rank_batch(job, k, ctx.world_size, ctx.rank)
@@ -76,11 +91,6 @@ def measure_rank(ctx: DistContext, job_path: str, spec_file: str, steps: int, wa
             torch.cuda.synchronize(ctx.device)
         if k >= warmup:
             times.append(time.perf_counter() - begin)
-    with MallocPeak() as sampled:  # untimed: the sampling thread shares the GIL with the step
+    with MallocPeak() as sampled:
         step(rank_batch(job, warmup + steps, ctx.world_size, ctx.rank))
-    in_use = -1.0 if sampled.peak is None or in_use_base is None else float(sampled.peak - in_use_base)
-    values = torch.tensor([*times, float(peak.values()[1]), in_use], dtype=torch.float64)
-    if ctx.has_process_group:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return Measured(statistics.median(values[:-2].tolist()), int(values[-2]),
-                    None if values[-1] < 0 else int(values[-1]))
+    return times, sampled.peak

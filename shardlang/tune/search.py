@@ -298,13 +298,13 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_per_param = _state_per_param(optimizer)
     regathered: dict[tuple, frozenset[str]] = {}  # Note [step floor]: learnt per units, strategy and grouping
+    flats_of: dict[Layout, tuple[FlatSummary, ...]] = {}  # each queued layout's, from its spec
 
-    def floor_of(layout: Layout, flats: Sequence[FlatSummary]) -> float:
+    def floor_of(layout: Layout) -> float:
         known = regathered.get(_learnt_key(layout), frozenset())
-        return communication_floor(flats, dict(layout.mesh.axes), world, cost_model, known)
+        return communication_floor(flats_of[layout], dict(layout.mesh.axes), world, cost_model, known)
 
     queue, fitting, unfit, bounded, compiles = [], [], [], [], 0
-    flats_of: dict[Layout, tuple[FlatSummary, ...]] = {}
     grouped: set[Layout] = set()  # the layouts whose blocks were grouped (Note [grouped blocks])
 
     def enqueue(layout: Layout, index: int, gathered: tuple[int, ...], resolved=None) -> None:
@@ -315,8 +315,8 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
             return
         resolved = resolved or _spec_of(spec, layout, None).resolve(model, world)  # the floor's flats, the units
-        flats = flats_of[layout] = _summaries(resolved)
-        heapq.heappush(queue, (floor_of(layout, flats), bound, index, layout, flats, resolved.units))
+        flats_of[layout] = _summaries(resolved)
+        heapq.heappush(queue, (floor_of(layout), bound, index, layout, resolved.units))
 
     searched = layouts(model, spec, world)
     for i, layout in enumerate(searched):
@@ -335,14 +335,14 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     def next_layout():
         """The queue's most promising layout, or None when the rest cannot enter the leading ``keep``."""
         while queue:
-            floor, bound, i, layout, flats, units = heapq.heappop(queue)
-            if (refined := floor_of(layout, flats)) > floor:  # learnt re-gathers raise it: back in line
-                heapq.heappush(queue, (refined, bound, i, layout, flats, units))
+            floor, bound, i, layout, units = heapq.heappop(queue)
+            if (refined := floor_of(layout)) > floor:  # learnt re-gathers raise it: back in line
+                heapq.heappush(queue, (refined, bound, i, layout, units))
                 continue
             leading = sorted(e.step_time_s for e in fitting)[:keep]
             if len(leading) < keep or floor < leading[-1]:
                 return layout, units, bound
-            for floor, _, _, layout, _, _ in sorted([(floor, bound, i, layout, flats, units), *queue]):
+            for floor, _, _, layout, _ in sorted([(floor, bound, i, layout, units), *queue]):
                 bounded.append(Bounded(layout, floor))
                 say(f"bounded  {layout.describe()}: its collectives alone take {_time(floor)}")
             queue.clear()
