@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 import shardlang as sl
 from shardlang.checkpoint.export import parse_size
@@ -190,3 +191,29 @@ def test_a_per_unit_choice_is_written_as_few_patterns_that_decide_every_unit_ali
     assert unit_patterns({"x[1].1": "full", "x[1].2": "full", "y*": "full"}, odd) == [
         ("y[*]", "full"), ("x[[]1].[1-2]", "full")]
     assert unit_patterns({}, units) == []
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_layers_grouped_per_collective_train_like_one_process(run_on, references, world):
+    """Note [grouped blocks]: the bucket_bytes a grouping writes (two layers of their flat size) merges the layers
+    into one collective, and the step trains as one process does."""
+    import models
+    import parity
+    from shardlang.compiler.schedule.schedule import flat_summary
+    from shardlang.tune.search import _bucket_bytes
+
+    case = models.CASES["llama_tiny"]
+    resolved = parity.spec_for(case, world).resolve(case.build(torch.float64), world)
+    layer = next(f for f in resolved.config.flats() if f.unit == "layers.0")
+    results = run_on(world, parity.train_sharded, "llama_tiny", "adamw", "float64", 3,
+                     {"bucket_bytes": 2 * _bucket_bytes(flat_summary(layer))})
+    _, ref_params, _ = references("llama_tiny", "adamw", "float64", 3)
+    assert parity.max_relative_difference(results[0][1], ref_params) < 1e-9
+    units = [f["unit"] for f in results[0][3]["flats"]]
+    assert any("layers.0+layers.1" in unit for unit in units), units
+
+
+def test_jobs_must_be_a_positive_number(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", GPT, "--world", "2", "--jobs", "0"])
+    assert "argument --jobs: '0' is not a number of processes; expected an integer >= 1" in capsys.readouterr().err
