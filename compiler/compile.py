@@ -28,6 +28,7 @@ from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.flat import FlatParam
 from .layout.optim import GroupedOptimizer
 from .context import CompileContext
+from .analysis.memory import gloo_scratch, plan_memory
 from .analysis.pool_choice import slots_within_peak
 from .passes.assign_buffers import assign_buffers, assign_slots, candidate_lives, pools_buffers
 from .passes.contract import GraphProperty
@@ -106,15 +107,22 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     return with_buffer_pool(compiled) if buffer_pool else compiled
 
 
-def with_buffer_pool(compiled: CompiledStep) -> CompiledStep:
+def with_buffer_pool(compiled: CompiledStep, scratch=None) -> CompiledStep:
     """``compiled`` with the slots of the step's pool that do not raise its planned peak (Note [buffer
-    assignment], `analysis.pool_choice`); ``compiled`` as it is when there are none."""
+    assignment], `analysis.pool_choice`); ``compiled`` as it is when there are none.
+
+    ``scratch``: the collective scratch of the plan whose peak the pool keeps
+    (`analysis.memory.backend_scratch` of the link); gloo's by default, the step's own ``memory``.
+    """
     ctx = compiled.context
     if not pools_buffers(ctx):
         return compiled
+    memory = compiled.memory
+    if scratch is not None and scratch is not gloo_scratch:
+        memory = plan_memory(compiled.graph_module, compiled.schedule, ctx.inputs, scratch=scratch)
     lives = candidate_lives(compiled.graph_module.graph)
     slots = assign_slots(lives)
-    held = slots_within_peak(lives, slots, compiled.memory) if lives else set()
+    held = slots_within_peak(lives, slots, memory) if lives else set()
     chosen = {node.name: index for node, index in slots.items() if index in held}  # a copy keeps the names
     if not chosen:
         return compiled

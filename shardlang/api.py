@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler import (
     AdamW, CompiledStep, TensorShape, collection_paused, compile_eval, compile_step, fit_budget, human_bytes,
-    tied_parameters, with_buffer_pool,
+    backend_scratch, tied_parameters, with_buffer_pool,
 )
 from .step.batch import check_example_batch
 from shardlang.spec.vocabulary import Recompute
@@ -93,7 +93,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
          optimizer=None, example_batch, world_size: int, check_each_pass: bool = False,
-         evaluate: bool = False, cost_model=None) -> CompiledStep:
+         evaluate: bool = False, cost_model=None, budget_hints=None) -> CompiledStep:
     """Compile for ``world_size`` ranks with fake tensors: no processes, no real weights.
 
     ``build_model`` is called under a `FakeTensorMode`, so even a model too big
@@ -102,7 +102,8 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
     evaluation graph instead (``Step.evaluate``: ``loss_fn`` forward only, in
     eval mode), on the same flat parameters. ``cost_model`` (a
     `compiler.CostModel`; default: gloo on this CPU) is what a memory budget's
-    search predicts step times with.
+    search predicts step times with; ``budget_hints`` (`compiler.analysis.budget.BudgetHints`)
+    what a search over many layouts tells that search (`shardlang tune`).
 
     Example::
 
@@ -121,7 +122,8 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
             raise SpecError(f"build_model() returned {type(model).__name__} {_short(model)}, not a torch.nn.Module")
     if evaluate:
         return _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, cost_model)
-    return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None, cost_model)
+    return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None, cost_model,
+                    budget_hints)
 
 
 def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
@@ -140,14 +142,14 @@ def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, ch
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir,
-             cost_model=None) -> CompiledStep:
+             cost_model=None, budget_hints=None) -> CompiledStep:
     return _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                                dump_dir, cost_model)[0]
+                                dump_dir, cost_model, budget_hints)[0]
 
 
 @collection_paused  # the budget's search too: Note [no collection while compiling]
 def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                         dump_dir, cost_model=None) -> tuple[CompiledStep, Recipe]:
+                         dump_dir, cost_model=None, budget_hints=None) -> tuple[CompiledStep, Recipe]:
     """The compiled step for ``example_batch``, and the `Recipe` that compiles other batch shapes identically."""
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
@@ -164,12 +166,15 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
                     {name: TensorShape.of(b) for name, b in model.named_buffers()}, tied_parameters(model),
                     None if dump_dir is None else str(dump_dir))
     budget = resolved.options.memory_budget
-    if budget is None:
+    if budget is not None:
+        return _fit_budget(budget, resolved, at, example_batch, cost_model, budget_hints), recipe
+    if cost_model is None:
         return at(resolved.config), recipe
-    return _fit_budget(budget, resolved, at, example_batch, cost_model), recipe
+    # the pool keeps the peak of the plan for the cost model's link (Note [pool after the search])
+    return with_buffer_pool(at(resolved.config, buffer_pool=False), backend_scratch(cost_model.link.backend)), recipe
 
 
-def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None) -> CompiledStep:
+def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budget_hints=None) -> CompiledStep:
     """Options.memory_budget: recompute per unit and prefetch depth chosen by `compiler.analysis.budget.fit_budget`.
 
     Units the spec gives a recompute policy other than "none" keep it; the
@@ -179,6 +184,7 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None) -> Co
     fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
     free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
     config = resolved.config
+    scratch = backend_scratch(cost_model.link.backend) if cost_model is not None else None  # the pool's plan
     first = at(config.scheduled(recompute=fixed), buffer_pool=False)  # Note [pool after the search]
     cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
 
@@ -192,7 +198,9 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None) -> Co
     step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
                               max_prefetch=len(resolved.units), fixed=fixed, cost_model=cost_model,
                               hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch),
-                              finish=with_buffer_pool)
+                              finish=lambda step: with_buffer_pool(step, scratch),
+                              kept_under=budget_hints.kept_under if budget_hints else None,
+                              give_up=budget_hints.give_up if budget_hints else None)
     return attrs.evolve(step, budget=choice)
 
 

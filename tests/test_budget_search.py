@@ -145,3 +145,88 @@ def test_the_budget_counts_the_collective_scratch_of_the_cost_models_link():
     assert chosen.budget.chosen.peak == make_plan(chosen, cost_model=nccl).memory.peak <= budget
     with pytest.raises(BudgetError):  # under gloo's copies the same budget fits nothing
         gpt(budget)
+
+
+def test_the_pool_keeps_the_peak_of_the_cost_models_link():
+    """The pool holds a slot only where the plan for the cost model's link does not rise (Note [pool after the
+    search]): under NCCL the chosen, pooled step plans to the peak of the same configuration without the pool.
+    (examples/gpt.py at N=4 under 1.15 MiB: slots chosen against gloo's plan raised its NCCL peak by 21 KiB.)"""
+    from shardlang.cli.common import rank_batch
+    from shardlang.cli.job import build, load_job
+
+    job, world, nccl = load_job(str(EXAMPLES / "gpt.py")), 4, CostModel(link=LINKS["nvlink"])
+
+    def gpt(budget, **options):
+        spec = attrs.evolve(job.spec, options=attrs.evolve(job.spec.options, memory_budget=budget, **options))
+        return sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                       example_batch=rank_batch(job, 0, world, 0), world_size=world, cost_model=nccl)
+
+    chosen = gpt(int(1.15 * 2**20))
+    choice = chosen.budget.chosen
+    assert choice.recompute, "the budget must choose a recompute for this test to compare like with like"
+    unpooled = attrs.evolve(job.spec, recompute=list(choice.recompute), options=attrs.evolve(
+        job.spec.options, prefetch=choice.prefetch, buffer_pool=False))
+    alone = sl.plan(lambda: build(job), job.loss_fn, unpooled, optimizer=job.optimizer,
+                    example_batch=rank_batch(job, 0, world, 0), world_size=world, cost_model=nccl)
+    assert choice.peak == make_plan(chosen, cost_model=nccl).memory.peak == make_plan(alone, cost_model=nccl).memory.peak
+    assert choice.step_time_s == pytest.approx(make_plan(alone, cost_model=nccl).timeline.step_time_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("world, model", [(1, CostModel()), (4, CostModel()), (2, COMPUTE_BOUND)],
+                         ids=["default-1", "default-4", "compute-bound-2"])
+def test_a_warm_started_search_chooses_what_a_cold_one_chooses(monkeypatch, world, model):
+    """Note [warm start]: from the rows a first search learnt, a second search chooses the same configuration
+    and compiles fewer; from wrong rows (units said to keep nothing under the policy, or all they keep without
+    it) it still chooses the same, at the cost of compiles."""
+    kept = plan(world).memory.peak
+    full = plan(world, recompute=[("layers.*", "full")]).memory.peak
+    runs = []
+
+    def searches(budget, compile_at, units, **kwargs):
+        kwargs.update(cost_model=model, finish=None, kept_under=None)
+
+        def search(rows):
+            calls = set()
+
+            def counted(recompute, depth):
+                calls.add((tuple(sorted((u, p.value) for u, p in recompute.items())), depth))
+                return compile_at(recompute, depth)
+
+            step, choice = fit_budget(budget, counted, units, **{**kwargs, "kept_under": rows})
+            return step, choice, len(calls)
+
+        cold = search(None)
+        none = next(c for c in cold[1].tried if c.policy == "none").kept
+        rows = {"learnt": cold[1].kept_under, "nothing kept": {p: {} for p in ("selective", "full")},
+                "all kept": {p: dict(none) for p in ("selective", "full")}}
+        runs.append((cold, {name: search(r) for name, r in rows.items()}))
+        return cold[:2]
+
+    monkeypatch.setattr(api, "fit_budget", searches)
+    warmed = 0
+    for fraction in (0.3, 0.6, 0.9):
+        plan(world, budget=int(full + fraction * (kept - full)))
+        (_, cold, cold_compiles), warm = runs[-1]
+        assert set(cold.kept_under) <= {"selective", "full"} and cold.kept_under
+        for name, (_, choice, compiles) in warm.items():
+            assert (choice.chosen.recompute, choice.chosen.prefetch, choice.chosen.peak, choice.chosen.step_time_s) \
+                == (cold.chosen.recompute, cold.chosen.prefetch, cold.chosen.peak, cold.chosen.step_time_s), name
+        assert warm["learnt"][2] <= cold_compiles
+        warmed += cold_compiles - warm["learnt"][2]
+    assert warmed > 0  # k = n is not compiled where the learnt rows say the policy fits
+
+
+def test_the_rows_a_search_learns_are_the_same_for_another_mesh_split():
+    """Note [warm start]'s premise: what each unit keeps under a policy is its activations, which a mesh split
+    does not change (the tiny Llama at N=4: fsdp=4 against replicate=2 x fsdp=2, each halfway between full
+    recompute and none)."""
+    world, rows = 4, []
+    llama = models.load_llama_module()
+    config = dataclasses.replace(llama.LlamaConfig(), n_layers=LAYERS)
+    for mesh in (sl.Mesh(fsdp=4), sl.Mesh(replicate=2, fsdp=2)):
+        def planned(**spec):
+            return sl.plan(lambda: llama.Llama(config), llama.loss_fn, sl.Spec(mesh, units=["layers.*"], **spec),
+                              world_size=world, example_batch=split_batch(models.llama_batch(0), world, 0))
+        budget = (planned().memory.peak + planned(recompute=[("layers.*", "full")]).memory.peak) // 2
+        rows.append(planned(options=sl.Options(memory_budget=budget)).budget.kept_under)
+    assert rows[0] and rows[0] == rows[1]

@@ -21,7 +21,7 @@ from shardlang.compiler.analysis.cost import LinkModel
 from shardlang.compiler.analysis.formulas import REGATHER_DETAIL
 from shardlang.tune import held_lower_bound, layouts, tune
 from shardlang.tune.patterns import unit_patterns
-from shardlang.tune.search import _flat_summaries, _spec_of, communication_floor
+from shardlang.tune.search import Job, _flat_summaries, _spec_of, communication_floor, compile_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -98,6 +98,29 @@ def test_layouts_compiled_in_parallel_find_what_the_serial_search_finds():
     pruned = search(1, 2)
     assert pruned.bounded and (pruned.best.layout, pruned.best.step_time_s) == (serial.best.layout,
                                                                                 serial.best.step_time_s)
+
+
+def test_a_layout_whose_collectives_alone_take_the_cutoff_is_given_up_after_one_compile():
+    """Note [step floor]: the first configuration compiled shows which units the layout gathers again; when its
+    collectives alone then take the step time a layout must beat to lead, the layout is given up there (one
+    compile, its floor and re-gathers reported). Just under that, it is searched in full, as with no cutoff."""
+    job = _gpt_job()
+    world, model, budget = 2, CostModel(link=SLOW_LINK), int(2.1 * 2**20)
+    tune_job = Job(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                   budget, model)
+    layout = next(lay for lay in layouts(build(job), job.spec, world) if lay.strategy is Strategy.ZERO3
+                  and lay.granularity == "job" and len(lay.mesh.axes) == 1)
+    spec = _spec_of(job.spec, layout, None)
+    units = spec.resolve(build(job), world).units
+    searched = compile_layout(tune_job, layout, units)
+    assert searched.evaluated is not None and searched.compiles > 1 and searched.regathered
+    floor = communication_floor(_flat_summaries(build(job), spec, world), dict(layout.mesh.axes), world, model,
+                                searched.regathered)
+    given_up = compile_layout(tune_job, layout, units, cutoff=lambda: floor)
+    assert (given_up.compiles, given_up.evaluated, given_up.regathered) == (1, None, searched.regathered)
+    assert given_up.bounded.layout == layout and given_up.bounded.floor_s == pytest.approx(floor, rel=1e-12)
+    kept = compile_layout(tune_job, layout, units, cutoff=lambda: floor * (1 + 1e-9))
+    assert (kept.evaluated, kept.compiles) == (searched.evaluated, searched.compiles)
 
 
 def _llama_job(layers: int):

@@ -43,18 +43,42 @@ and recompute can change what fuses) nothing is skipped.
 The chosen configuration is the fitting one of least predicted time; the
 runner-up is the next best.
 
+Note [the least k]: the first guess is the least k whose savings cover the
+excess of the k = 0 peak over the budget, a unit's saving being what it stops
+keeping under the policy (its memory plan rows at k = 0 and k = n). At the
+moment of the k = 0 peak, recomputing unit u lowers the bytes live by at most
+its saving: its kept activations give way to what the policy keeps of them,
+and the copies recompute makes live only add. So the peak of the first k - 1
+units recomputed is at least the k = 0 peak less their savings, which by the
+guess's definition is over the budget: when the guess fits, k - 1 is not
+compiled to confirm it. The bound needs the rows to be the step's own, so the
+guess's plan must show the same rows for those units (rows from another layout
+are checked so, Note [warm start]); where they differ, or the guess was
+interpolated, the search steps down as before. A guess that misses steps up.
+
+Note [warm start]: the k = n configuration of step 2 is compiled for its
+memory plan's rows, what each unit keeps under the policy. Those rows are the
+activations of the units alone: another layout of the same units (another
+mesh split, strategy or grouping, which change parameters, not activations)
+has the same. ``kept_under`` hands them from one search to the next
+(`BudgetChoice.kept_under`), and the first guess is read from them: where
+they say the policy's savings cover the excess, k = n is not compiled (a
+compile of each policy at 70B). They serve as a guess only, so a wrong row
+costs compiles, never the choice: the guess's own plan must show the same rows
+before Note [the least k] takes it, else the search steps to the boundary
+(peaks fall with k); and k = n is compiled where the rows say it may not fit.
+
 Note [pool after the search]: the search compiles each configuration without
 the step's buffer pool, and ``finish`` (`compile_step`'s `with_buffer_pool`)
-pools the chosen one alone. The pool holds a slot only where the planned peak
-does not rise (`analysis.pool_choice`), so every configuration's peak is the
-same with it or without; what it adds to the predicted time is the slots'
-bookkeeping, a few view ops (about 2 us of a 5 ms step on the examples).
-Pooling each configuration cost a quarter of each compile on the 70B plan (a
+pools the chosen one alone, against the memory plan the search used (its
+link's collective scratch). The pool holds a slot only where that plan's peak
+does not rise (`analysis.pool_choice`), and the cost model counts a slot as no
+kernel, so every configuration is planned and predicted the same with the
+pool or without it. Pooling each configuration cost a quarter of each compile on the 70B plan (a
 memory plan, a graph copy and a shape propagation more) for a choice it does
 not change. The chosen configuration is reported as pooled: its peak and
-predicted time are read from the finished step, so they are the plan's. (The
-pool's slots are chosen against the gloo plan; on an NCCL link, where no
-scratch lies under them, a pooled step over the budget stays unpooled.) When nothing fits, `BudgetError` says by how much
+predicted time are read from the finished step, so they are the plan's (a
+pooled step over the budget would stay unpooled). When nothing fits, `BudgetError` says by how much
 the leanest configuration misses and what would fit (more ranks, a smaller
 batch, ZeRO-3 for units that do not use it).
 
@@ -67,7 +91,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -88,6 +112,29 @@ class BudgetError(SpecError):
         self.leanest_peak = leanest_peak
 
 
+class SearchAbandoned(Exception):
+    """The budget search stopped after its first configuration, as ``give_up`` asked: ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@attrs.frozen
+class BudgetHints:
+    """What a caller that searches many layouts (`shardlang tune`) hands each layout's budget search.
+
+    ``kept_under``: a `BudgetChoice.kept_under` of a search over the same units, where
+    this one starts (Note [warm start]). ``give_up(step)``: called with the first
+    configuration compiled, after it and before each further compile; a reason (a
+    string) ends the search with `SearchAbandoned`, when the caller can tell from
+    that step that no configuration of it is of use to it (any longer).
+    """
+
+    kept_under: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
+    give_up: Callable[[object], str | None] | None = None
+
+
 @attrs.frozen
 class Candidate:
     """One configuration the search compiled: recompute per unit (only those not NONE), depth, peak, time."""
@@ -99,6 +146,7 @@ class Candidate:
     policy: str = attrs.field(default="none", repr=False)  # the searched policy, on the first ``k`` units
     k: int = attrs.field(default=0, repr=False)
     kept: dict = attrs.field(factory=dict, repr=False, eq=False)  # unit -> activation bytes kept (memory plan)
+    exposed_comm_s: float = attrs.field(default=0.0, repr=False)  # of step_time_s, communication not hidden
 
     def describe(self) -> str:
         """``"recompute full on layers.0..layers.79 (80 units), prefetch 1"``."""
@@ -121,6 +169,8 @@ class BudgetChoice:
     chosen: Candidate
     runner_up: Candidate | None
     tried: tuple[Candidate, ...]
+    # policy -> unit -> activation bytes the unit keeps when every unit takes the policy (Note [warm start])
+    kept_under: dict = attrs.field(factory=dict, repr=False, eq=False)
 
     def summary_text(self) -> str:
         c = self.chosen
@@ -148,7 +198,9 @@ class BudgetChoice:
 def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Sequence[str], *,
                base_prefetch: int = 1, max_prefetch: int | None = None, cost_model=None,
                fixed: dict | None = None, hints: Callable[[object], list[str]] | None = None,
-               finish: Callable[[object], object] | None = None):
+               finish: Callable[[object], object] | None = None,
+               kept_under: Mapping[str, Mapping[str, int]] | None = None,
+               give_up: Callable[[object], str | None] | None = None):
     """The compiled step of the fastest configuration whose planned peak fits ``budget``, and the `BudgetChoice`.
 
     ``compile_at(recompute, prefetch)`` compiles with ``recompute`` (unit ->
@@ -156,7 +208,9 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     choose a policy for, in forward order; ``fixed`` the policies the spec set
     itself (kept in every configuration). ``hints(leanest compiled step)`` gives
     the "what would fit" lines of a `BudgetError`. ``finish(step)`` completes the
-    chosen configuration's step (Note [pool after the search]).
+    chosen configuration's step (Note [pool after the search]). ``kept_under``: a
+    `BudgetChoice.kept_under` of another search over the same units (Note [warm start]);
+    ``give_up``: `BudgetHints.give_up`.
     """
     from .cost import CostModel
 
@@ -179,31 +233,36 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
         recompute = {**chosen, **fixed}
         key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
         if key not in compiled:
+            if give_up is not None and base and (reason := give_up(base["step"][0])) is not None:
+                raise SearchAbandoned(reason)
             step = compile_at(recompute, depth)
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
             memory, timeline = planned(step), cost_model.predict(step.schedule, step.graph_module)
             base.setdefault("step", (step, memory, timeline))
             kept = {u.unit: u.kept for u in memory.units}
-            compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k, kept))
+            compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k, kept,
+                                             timeline.exposed_comm_s))
         return compiled[key][1]
 
     fits = lambda c: c.peak <= budget  # noqa: E731
     found = [evaluate(Recompute.NONE, 0, base_prefetch)]
+    if give_up is not None and (reason := give_up(base["step"][0])) is not None:
+        raise SearchAbandoned(reason)
     if not fits(found[0]):
         for policy in (Recompute.SELECTIVE, Recompute.FULL):
             fastest = min((c.step_time_s for c in found if fits(c)), default=math.inf)
             if _policy_floor(*base["step"], policy, units, budget, cost_model) >= fastest:
                 continue  # Note [policy floor]: its least fitting k cannot be faster
-            k = _least_k(lambda k, p=policy: evaluate(p, k, base_prefetch), units, budget)
+            k = _least_k(lambda k, p=policy: evaluate(p, k, base_prefetch), units, budget,
+                         (kept_under or {}).get(policy.value))
             if k is not None:
                 found.append(evaluate(policy, k, base_prefetch))
     feasible = [c for c in found if fits(c)]
     if not feasible and base_prefetch > 0:  # less prefetch, less gathered memory
         feasible = [c for c in (_with_depth(evaluate, c, 0) for c in found) if fits(c)]
     if not feasible:
-        leanest = min(compiled.values(), key=lambda sc: sc[1].peak)
-        raise BudgetError(_no_fit(budget, leanest[1], hints(leanest[0]) if hints else []),
-                          leanest_peak=leanest[1].peak)
+        leanest, candidate = min(compiled.values(), key=lambda entry: entry[1].peak)
+        raise BudgetError(_no_fit(budget, candidate, hints(leanest) if hints else []), leanest_peak=candidate.peak)
     best = min(feasible, key=lambda c: c.step_time_s)
     depth = best.prefetch
     while depth < max_prefetch:  # deeper prefetch while it fits and is faster
@@ -217,11 +276,13 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     if finish is not None:  # Note [pool after the search]: the chosen step as it will run, and its own figures
         finished = finish(step)
         if finished is not step and (peak := planned(finished).peak) <= budget:
-            step, best = finished, attrs.evolve(best, peak=peak, step_time_s=cost_model.predict(
-                finished.schedule, finished.graph_module).step_time_s)
+            timeline = cost_model.predict(finished.schedule, finished.graph_module)
+            step, best = finished, attrs.evolve(best, peak=peak, step_time_s=timeline.step_time_s,
+                                                exposed_comm_s=timeline.exposed_comm_s)
     tried = (best, *others)
     ranked = sorted((c for c in others if fits(c)), key=lambda c: c.step_time_s) or sorted(others, key=lambda c: c.peak)
-    return step, BudgetChoice(budget, best, ranked[0] if ranked else None, tried)
+    learnt = {c.policy: c.kept for _, c in compiled.values() if c.k == len(units) and c.policy != "none"}
+    return step, BudgetChoice(budget, best, ranked[0] if ranked else None, tried, {**(kept_under or {}), **learnt})
 
 
 def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str], budget: int,
@@ -251,53 +312,65 @@ def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:
     return evaluate(Recompute(candidate.policy), candidate.k, depth)
 
 
-def _least_k(peak_at: Callable[[int], Candidate], units: Sequence[str], budget: int) -> int | None:
+def _least_k(peak_at: Callable[[int], Candidate], units: Sequence[str], budget: int,
+             known: Mapping[str, int] | None = None) -> int | None:
     """The least k in [0, n] with ``peak_at(k).peak <= budget`` (peaks fall with k), or None when even n misses.
 
     The first guess reads what the policy saves each unit (`_first_guess`);
-    from it, the search steps one unit at a time, so a guess on the boundary
-    costs two compiles (k fits, k - 1 does not).
+    a guess that fits is the least (Note [the least k]); one that misses
+    steps up a unit at a time. ``known``: what each unit keeps under the
+    policy, learnt from another layout (Note [warm start]); when those
+    savings cover the excess, k = n is not compiled.
     """
     n = len(units)
     if n == 0:
         return None
-    high = peak_at(n)
-    if high.peak > budget:
-        return None
     low = peak_at(0)
     if low.peak <= budget:
         return 0
-    k = _first_guess(low, high, units, budget)
-    if peak_at(k).peak <= budget:  # step down to the boundary
-        while k > 1 and peak_at(k - 1).peak <= budget:
+    rows = known
+    k = _first_guess(low, rows, units, budget) if rows is not None else None
+    if k is None:  # no rows learnt, or they say even k = n may miss: compile it
+        high = peak_at(n)
+        if high.peak > budget:
+            return None
+        rows = high.kept
+        k = _first_guess(low, rows, units, budget)
+        if k is None:
+            rows, k = None, _interpolated(low, high, n, budget)
+    guessed = peak_at(k)
+    if guessed.peak <= budget:
+        if rows is not None and all(guessed.kept.get(u, 0) == rows.get(u, 0) for u in units[:k - 1]):
+            return k  # Note [the least k]: k - 1 misses
+        while k > 1 and peak_at(k - 1).peak <= budget:  # step down to the boundary
             k -= 1
         return k
     while k < n and peak_at(k).peak > budget:  # step up to it
         k += 1
-    return k
+    return k if peak_at(k).peak <= budget else None
 
 
-def _first_guess(low: Candidate, high: Candidate, units: Sequence[str], budget: int) -> int:
-    """The least k whose savings, unit by unit, would bring ``low``'s peak under ``budget``.
+def _first_guess(low: Candidate, kept: Mapping[str, int], units: Sequence[str], budget: int) -> int | None:
+    """The least k whose savings, unit by unit, would bring ``low``'s peak under ``budget``; None when they cannot.
 
     A unit's saving is the activation bytes the policy stops keeping (its
-    memory plan rows at k = 0 and k = n). While the peak stays where it was
-    (the start of backward, when every kept activation is live) it falls by
-    exactly that; once it moves elsewhere it falls by less, and the search
-    steps up from the guess. When the savings cannot cover the excess, the
-    guess interpolates between the two peaks in proportion to k.
+    memory plan rows at k = 0, ``low``'s, and ``kept``, at k = n). While the
+    peak stays where it was (the start of backward, when every kept activation
+    is live) it falls by exactly that; once it moves elsewhere it falls by
+    less, and the search steps up from the guess.
     """
-    n = len(units)
-    savings = [max(0, low.kept.get(u, 0) - high.kept.get(u, 0)) for u in units]
     needed = low.peak - budget
-    if sum(savings) < needed:
-        return min(n, max(1, math.ceil(n * needed / max(1, low.peak - high.peak))))
     done = 0
-    for k, saving in enumerate(savings, start=1):
-        done += saving
+    for k, unit in enumerate(units, start=1):
+        done += max(0, low.kept.get(unit, 0) - kept.get(unit, 0))
         if done >= needed:
             return k
-    return n
+    return None
+
+
+def _interpolated(low: Candidate, high: Candidate, n: int, budget: int) -> int:
+    """When the savings cannot cover the excess: k in proportion to where ``budget`` lies between the two peaks."""
+    return min(n, max(1, math.ceil(n * (low.peak - budget) / max(1, low.peak - high.peak))))
 
 
 def _no_fit(budget: int, leanest: Candidate, hints: list[str]) -> str:

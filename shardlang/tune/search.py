@@ -33,8 +33,12 @@ the last unit]): it is learnt from the first compiled layout of the same
 units and strategy (a mesh split does not change it), and counted as none
 before. Once ``keep`` layouts fit, a layout whose floor is no faster than the
 ``keep``-th fastest cannot enter the leading ``keep``: it and every layout
-after it are pruned uncompiled. A communication-bound step (70B on 1024
-ranks) compiles only the layouts that could win.
+after it are pruned uncompiled. A layout already compiling learns its own
+re-gathers from the first configuration its budget search compiles: when its
+floor with them is no faster than the ``keep``-th fastest known then (a value
+the search lowers as layouts lead, read by every worker), its budget search
+gives up there and the layout is reported as bounded. A communication-bound
+step (70B on 1024 ranks) compiles only the layouts that could win.
 
 Note [grouped blocks]: between a unit per block and the whole model as one
 unit lie blocks gathered a few at a time (FSDP2's ``fully_shard`` on a list of
@@ -67,6 +71,7 @@ import collections
 import contextlib
 import heapq
 import itertools
+import math
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +83,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import api
 from ..compiler import Adam, AdamW, CostModel, SGD, human_bytes, make_plan
-from ..compiler.analysis.budget import BudgetError
+from ..compiler.analysis.budget import BudgetError, BudgetHints, SearchAbandoned
 from ..compiler.analysis.formulas import REGATHER_DETAIL, flat_collectives
 from ..compiler.schedule.schedule import FlatSummary, OpKind, flat_summary
 from ..errors import SpecError
@@ -279,7 +284,9 @@ class Outcome:
     evaluated: Evaluated | None = None
     unfit: Unfit | None = None
     skipped: str | None = None
+    bounded: Bounded | None = None  # its first configuration showed its floor (Note [step floor]) out of the lead
     regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
+    kept_under: dict = attrs.field(factory=dict, eq=False)  # the budget search's rows (Note [warm start])
 
 
 def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimizer, example_batch, world: int,
@@ -298,6 +305,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_per_param = _state_per_param(optimizer)
     regathered: dict[tuple, frozenset[str]] = {}  # Note [step floor]: learnt per units, strategy and grouping
+    kept_under: dict[str, dict] = {}  # Note [warm start]: the budget search's rows, learnt per unit granularity
     flats_of: dict[Layout, tuple[FlatSummary, ...]] = {}  # each queued layout's, from its spec
 
     def floor_of(layout: Layout) -> float:
@@ -348,21 +356,27 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             queue.clear()
         return None
 
-    with _compiler(job, workers) as submit:
+    with _compiler(job, workers) as (submit, cutoff):
         running = set()
         while True:
             group_leading()  # Note [grouped blocks]: as soon as a layout leads, so a grouping that wins prunes early
             while len(running) < workers and (chosen := next_layout()) is not None:
-                running.add(submit(*chosen))
+                running.add(submit(*chosen, kept_under.get(chosen[0].granularity)))
             if not running:
                 break
             done, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
             for outcome in (f.result() for f in done):
                 compiles += outcome.compiles
-                if outcome.evaluated is not None:
+                if outcome.evaluated is not None or outcome.bounded is not None:
                     regathered[_learnt_key(outcome.layout)] = outcome.regathered
+                if outcome.kept_under:
+                    kept_under.setdefault(outcome.layout.granularity, {}).update(outcome.kept_under)
                 if outcome.skipped is not None:
                     say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
+                elif outcome.bounded is not None:
+                    bounded.append(outcome.bounded)
+                    say(f"bounded  {outcome.layout.describe()}: its collectives alone take "
+                        f"{_time(outcome.bounded.floor_s)} (compiled once)")
                 elif outcome.unfit is not None:
                     unfit.append(outcome.unfit)
                     say(f"no fit   {outcome.layout.describe()}: leanest {human_bytes(outcome.unfit.least_bytes)}")
@@ -370,40 +384,65 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
                     e = outcome.evaluated
                     fitting.append(e)
                     say(f"planned  {e.one_line()}: {_time(e.step_time_s)}, {human_bytes(e.peak)}")
+                    leading = sorted(e.step_time_s for e in fitting)[:keep]
+                    if len(leading) == keep:
+                        cutoff.value = leading[-1]  # Note [step floor]: what a running layout must beat
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
     return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles,
                       tuple(bounded))
 
 
-def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 0) -> Outcome:
+def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 0,
+                   kept_under: dict | None = None, cutoff: Callable[[], float] = lambda: math.inf) -> Outcome:
     """Compile ``layout`` under the budget (the budget search chooses recompute and prefetch) and plan it.
 
     ``units``: the layout's units, which the chosen recompute is written over; ``bound``: its
-    `held_lower_bound`, reported when the budget search names no leanest peak.
+    `held_lower_bound`, reported when the budget search names no leanest peak; ``kept_under``: the rows
+    an earlier budget search over the same units learnt, where this one starts (Note [warm start]);
+    ``cutoff()``: the step time a layout must beat to lead, now. The budget search gives up, after its
+    first compile or any later one, when that step's collectives alone take as long (Note [step floor]).
     """
     candidate = _spec_of(job.spec, layout, job.budget)
+    # Note [pool after the search]: the pool changes neither peak nor prediction, so it is left to the run
+    unpooled = attrs.evolve(candidate, options=attrs.evolve(candidate.options, buffer_pool=False))
+    first: dict = {}
+
+    def give_up(step) -> str | None:
+        if not first:  # the re-gathers are the layout's, whatever its recompute and prefetch
+            first["regathered"] = _regathered(step.schedule)
+            first["floor"] = communication_floor(tuple(flat_summary(f) for f in step.flats),
+                                                 dict(layout.mesh.axes), job.world, job.cost_model,
+                                                 first["regathered"])
+        return f"its collectives alone take {_time(first['floor'])}" if first["floor"] >= cutoff() else None
+
     try:
-        compiled = api.plan(job.build_model, job.loss_fn, candidate, optimizer=job.optimizer,
-                            example_batch=job.example_batch, world_size=job.world, cost_model=job.cost_model)
+        compiled = api.plan(job.build_model, job.loss_fn, unpooled, optimizer=job.optimizer,
+                            example_batch=job.example_batch, world_size=job.world, cost_model=job.cost_model,
+                            budget_hints=BudgetHints(kept_under or {}, give_up))
+    except SearchAbandoned:
+        return Outcome(layout, 1, bounded=Bounded(layout, first["floor"]), regathered=first["regathered"])
     except BudgetError as exc:
         return Outcome(layout, 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True))
     except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
         return Outcome(layout, 0, skipped=str(exc))
     choice = getattr(compiled, "budget", None)
-    regathered = frozenset(op.flat for op in compiled.schedule.ops
-                           if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
-    plan = make_plan(compiled, cost_model=job.cost_model)
-    evaluated = Evaluated(layout, _chosen(candidate, choice, units), plan.timeline.step_time_s,
-                          plan.timeline.exposed_comm_s, plan.memory.peak,
+    regathered = _regathered(compiled.schedule)
+    if choice is not None:  # the budget search planned the chosen step already
+        figures = choice.chosen.step_time_s, choice.chosen.exposed_comm_s, choice.chosen.peak
+    else:
+        plan = make_plan(compiled, cost_model=job.cost_model)
+        figures = plan.timeline.step_time_s, plan.timeline.exposed_comm_s, plan.memory.peak
+    evaluated = Evaluated(layout, _chosen(candidate, choice, units), *figures,
                           choice.chosen.describe() if choice is not None else
                           f"recompute as the job's, prefetch {job.spec.options.prefetch}")
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
-                   regathered=regathered)
+                   regathered=regathered, kept_under=choice.kept_under if choice is not None else {})
 
 
 @contextlib.contextmanager
 def _compiler(job: Job, workers: int):
-    """``submit(layout, units, bound)`` -> a future of its `Outcome`: here, or in ``workers`` forked processes.
+    """``submit(layout, units, bound, kept_under)`` -> a future of its `Outcome`, here or in ``workers`` forked
+    processes; and the cutoff (``.value``) they read, which the search lowers as layouts lead.
 
     Note [layouts in parallel]: a layout's compile is pure Python on one core (tracing, passes, planning), so
     on a machine of several cores layouts are compiled side by side, each in a process of its own. The
@@ -414,28 +453,41 @@ def _compiler(job: Job, workers: int):
     layout the serial search would have pruned may be compiled while an earlier one still runs.
     """
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one at a time
-        def submit(layout, units, bound):
+        cutoff = _Cutoff()
+
+        def submit(layout, units, bound, kept_under):
             future = futures.Future()
-            future.set_result(compile_layout(job, layout, units, bound))
+            future.set_result(compile_layout(job, layout, units, bound, kept_under, lambda: cutoff.value))
             return future
 
-        yield submit
+        yield submit, cutoff
         return
     context = multiprocessing.get_context("fork")
-    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_adopt, initargs=(job,)) as pool:
-        yield lambda layout, units, bound: pool.submit(_compile_in_worker, layout, tuple(units), bound)
+    cutoff = context.Value("d", math.inf, lock=False)  # shared memory: a worker reads the latest
+    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_adopt,
+                                     initargs=(job, cutoff)) as pool:
+        yield (lambda layout, units, bound, kept_under: pool.submit(
+            _compile_in_worker, layout, tuple(units), bound, kept_under)), cutoff
+
+
+@attrs.define
+class _Cutoff:
+    """The step time a layout must beat to lead, in one process (`multiprocessing.Value`'s ``.value``)."""
+
+    value: float = math.inf
 
 
 _WORKER_JOB: Job | None = None  # the job a forked worker compiles layouts of (Note [layouts in parallel])
+_WORKER_CUTOFF = _Cutoff()  # shared with the search, which lowers it
 
 
-def _adopt(job: Job) -> None:
-    global _WORKER_JOB
-    _WORKER_JOB = job
+def _adopt(job: Job, cutoff) -> None:
+    global _WORKER_JOB, _WORKER_CUTOFF
+    _WORKER_JOB, _WORKER_CUTOFF = job, cutoff
 
 
-def _compile_in_worker(layout: Layout, units: tuple[str, ...], bound: int) -> Outcome:
-    return compile_layout(_WORKER_JOB, layout, units, bound)
+def _compile_in_worker(layout: Layout, units: tuple[str, ...], bound: int, kept_under: dict | None) -> Outcome:
+    return compile_layout(_WORKER_JOB, layout, units, bound, kept_under, lambda: _WORKER_CUTOFF.value)
 
 
 def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], world: int, cost_model: CostModel,
@@ -463,6 +515,11 @@ def _summaries(resolved) -> tuple[FlatSummary, ...]:
 
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _regathered(schedule) -> frozenset[str]:
+    """The flat parameters ``schedule`` gathers again for backward (Note [keep the last unit])."""
+    return frozenset(op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
 
 
 def _learnt_key(layout: Layout) -> tuple:
