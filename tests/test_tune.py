@@ -95,9 +95,11 @@ def test_layouts_compiled_in_parallel_find_what_the_serial_search_finds():
                       sorted((u.layout.describe(), u.least_bytes) for u in r.unfit))
     serial, parallel = search(100, 1), search(100, 2)  # nothing pruned by time: the same layouts compiled
     assert seen(parallel) == seen(serial) and parallel.compiles == serial.compiles
-    pruned = search(1, 2)
+    pruned, pruned_serial = search(1, 2), search(1, 1)  # Note [layouts in parallel]: the serial search's decisions
     assert pruned.bounded and (pruned.best.layout, pruned.best.step_time_s) == (serial.best.layout,
                                                                                 serial.best.step_time_s)
+    assert seen(pruned) == seen(pruned_serial)
+    assert [(b.layout, b.floor_s) for b in pruned.bounded] == [(b.layout, b.floor_s) for b in pruned_serial.bounded]
 
 
 def test_a_layout_whose_collectives_alone_take_the_cutoff_is_given_up_after_one_compile():
@@ -118,7 +120,8 @@ def test_a_layout_whose_collectives_alone_take_the_cutoff_is_given_up_after_one_
                                 searched.regathered)
     given_up = compile_layout(tune_job, layout, units, cutoff=lambda: floor)
     assert (given_up.compiles, given_up.evaluated, given_up.regathered) == (1, None, searched.regathered)
-    assert given_up.bounded.layout == layout and given_up.bounded.floor_s == pytest.approx(floor, rel=1e-12)
+    assert given_up.bounded.layout == layout and given_up.bounded.compiled
+    assert given_up.bounded.floor_s == pytest.approx(floor, rel=1e-12)
     kept = compile_layout(tune_job, layout, units, cutoff=lambda: floor * (1 + 1e-9))
     assert (kept.evaluated, kept.compiles) == (searched.evaluated, searched.compiles)
 

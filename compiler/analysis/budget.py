@@ -5,7 +5,7 @@ option sets: `compile_step(traced=...)`) and the units it may choose for. A
 configuration is a recompute policy per unit and a prefetch depth; its planned
 peak is the memory plan's (`compiler.analysis.memory`, with the collective scratch of
 the cost model's link: gloo's copies, none for NCCL) and its predicted step time the
-cost model's (`compiler.analysis.cost`). The search, with about ten compiles whatever
+cost model's (`compiler.analysis.cost`). The search, with four to ten compiles whatever
 the number of units:
 
 1. No recompute at the base depth. If it fits, only prefetch is left to choose.
@@ -13,15 +13,16 @@ the number of units:
    earliest units keep their activations the longest, so recomputing them helps
    the peak most) take the policy, the others none. The peak falls with k, so
    the least k that fits is guessed from k = 0 and k = all (the activation
-   bytes the policy saves each unit, read off both memory plans), then stepped
-   to the boundary.
+   bytes the policy saves each unit, read off both memory plans): a guess that
+   fits is the least (Note [the least k]), one that misses steps up to the
+   boundary.
 3. The fastest fitting configuration then tries deeper prefetch (more overlap,
    more gathered memory) while it fits and predicts faster.
 
 Note [policy floor]: before searching "full", the search bounds from below
 what any fitting "full" configuration could predict, and skips the policy when
 the bound is no faster than a fitting configuration already found (a "full"
-search costs about four compiles). The bound is the larger of two:
+search costs two to four compiles). The bound is the larger of two:
   - the first configuration's predicted step (no recompute, the same depth):
     the cost model plays the ops in a fixed order, each starting when its
     inputs and its lane are free, so the compute that recompute adds can
@@ -74,13 +75,15 @@ pools the chosen one alone, against the memory plan the search used (its
 link's collective scratch). The pool holds a slot only where that plan's peak
 does not rise (`analysis.pool_choice`), and the cost model counts a slot as no
 kernel, so every configuration is planned and predicted the same with the
-pool or without it. Pooling each configuration cost a quarter of each compile on the 70B plan (a
-memory plan, a graph copy and a shape propagation more) for a choice it does
-not change. The chosen configuration is reported as pooled: its peak and
-predicted time are read from the finished step, so they are the plan's (a
-pooled step over the budget would stay unpooled). When nothing fits, `BudgetError` says by how much
-the leanest configuration misses and what would fit (more ranks, a smaller
-batch, ZeRO-3 for units that do not use it).
+pool or without it. Pooling each configuration cost a quarter of each compile
+on the 70B plan (a memory plan, a graph copy and a shape propagation more)
+for a choice it does not change. The chosen configuration is reported as
+pooled: its peak and predicted time are read from the finished step, so they
+are the plan's (a pooled step over the budget would stay unpooled).
+
+When nothing fits, `BudgetError` says by how much the leanest configuration
+misses and what would fit (more ranks, a smaller batch, ZeRO-3 for units that
+do not use it).
 
 Example::
 
@@ -113,7 +116,7 @@ class BudgetError(SpecError):
 
 
 class SearchAbandoned(Exception):
-    """The budget search stopped after its first configuration, as ``give_up`` asked: ``reason`` says why."""
+    """The budget search stopped before a compile, as ``give_up`` asked: ``reason`` says why."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -126,9 +129,9 @@ class BudgetHints:
 
     ``kept_under``: a `BudgetChoice.kept_under` of a search over the same units, where
     this one starts (Note [warm start]). ``give_up(step)``: called with the first
-    configuration compiled, after it and before each further compile; a reason (a
-    string) ends the search with `SearchAbandoned`, when the caller can tell from
-    that step that no configuration of it is of use to it (any longer).
+    configuration compiled, before each further compile; a reason (a string) ends
+    the search with `SearchAbandoned`, when the caller can tell from that step
+    that no configuration of it is of use to it (any longer).
     """
 
     kept_under: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
@@ -246,8 +249,6 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
 
     fits = lambda c: c.peak <= budget  # noqa: E731
     found = [evaluate(Recompute.NONE, 0, base_prefetch)]
-    if give_up is not None and (reason := give_up(base["step"][0])) is not None:
-        raise SearchAbandoned(reason)
     if not fits(found[0]):
         for policy in (Recompute.SELECTIVE, Recompute.FULL):
             fastest = min((c.step_time_s for c in found if fits(c)), default=math.inf)

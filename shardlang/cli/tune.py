@@ -80,8 +80,9 @@ def main(args) -> int:
                   keep=max(1, args.measure or 0), workers=args.jobs)
     print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles "
           f"({args.jobs} at a time): "
-          f"{sum(not u.compiled for u in result.unfit)} pruned by memory and {len(result.bounded)} by time "
-          "before compiling\n")
+          f"{sum(not u.compiled for u in result.unfit)} pruned by memory and "
+          f"{sum(not b.compiled for b in result.bounded)} by time before compiling, "
+          f"{sum(b.compiled for b in result.bounded)} given up by time after compiling\n")
     if result.best is None:
         print(result.shortfall())
         return 1

@@ -146,6 +146,7 @@ class Bounded:
 
     layout: Layout
     floor_s: float
+    compiled: bool = False  # given up by its budget search (Note [step floor]), not pruned before compiling
 
 
 @attrs.frozen
@@ -285,6 +286,7 @@ class Outcome:
     unfit: Unfit | None = None
     skipped: str | None = None
     bounded: Bounded | None = None  # its first configuration showed its floor (Note [step floor]) out of the lead
+    floor_s: float | None = None  # its floor with its own re-gathers, once a configuration compiled
     regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
     kept_under: dict = attrs.field(factory=dict, eq=False)  # the budget search's rows (Note [warm start])
 
@@ -356,37 +358,70 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             queue.clear()
         return None
 
+    def commit(outcome: Outcome) -> None:
+        """Take a layout's outcome into the search, as the one-at-a-time search would at this point."""
+        nonlocal compiles
+        compiles += outcome.compiles
+        if (outcome.bounded is None and outcome.compiles > 1 and outcome.floor_s is not None
+                and outcome.floor_s >= leading_cutoff()):
+            # compiled ahead of its turn, past where its budget search would now give up (Note [step floor]:
+            # it asks before each compile after the first)
+            outcome = attrs.evolve(outcome, evaluated=None, unfit=None,
+                                   bounded=Bounded(outcome.layout, outcome.floor_s, compiled=True))
+        if outcome.evaluated is not None or outcome.bounded is not None:
+            regathered[_learnt_key(outcome.layout)] = outcome.regathered
+        if outcome.kept_under:
+            kept_under.setdefault(outcome.layout.granularity, {}).update(outcome.kept_under)
+        if outcome.skipped is not None:
+            say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
+        elif outcome.bounded is not None:
+            bounded.append(outcome.bounded)
+            say(f"bounded  {outcome.layout.describe()}: its collectives alone take "
+                f"{_time(outcome.bounded.floor_s)} (given up after {outcome.compiles} "
+                f"compile{'s' if outcome.compiles != 1 else ''})")
+        elif outcome.unfit is not None:
+            unfit.append(outcome.unfit)
+            say(f"no fit   {outcome.layout.describe()}: leanest {human_bytes(outcome.unfit.least_bytes)}")
+        else:
+            fitting.append(e := outcome.evaluated)
+            say(f"planned  {e.one_line()}: {_time(e.step_time_s)}, {human_bytes(e.peak)}")
+
+    def leading_cutoff() -> float:
+        """The step time a layout must beat to enter the leading ``keep``; infinite until ``keep`` fit."""
+        leading = sorted(e.step_time_s for e in fitting)[:keep]
+        return leading[-1] if len(leading) == keep else math.inf
+
+    def upcoming(count: int) -> list[tuple]:
+        """The ``count`` layouts the queue holds next, with what the search sends each, should nothing change."""
+        ahead = [entry for entry in heapq.nsmallest(count + len(sent), queue) if entry[3] not in sent]
+        return [(layout, units, bound) for floor, bound, _, layout, units in ahead[:count]
+                if floor_of(layout) < leading_cutoff()]
+
+    sent: dict[Layout, futures.Future] = {}  # Note [layouts in parallel]: each layout's compile, once started
     with _compiler(job, workers) as (submit, cutoff):
-        running = set()
+        def send(layout: Layout, units, bound: int) -> None:
+            if layout not in sent:
+                sent[layout] = submit(layout, units, bound, kept_under.get(layout.granularity))
+
         while True:
             group_leading()  # Note [grouped blocks]: as soon as a layout leads, so a grouping that wins prunes early
-            while len(running) < workers and (chosen := next_layout()) is not None:
-                running.add(submit(*chosen, kept_under.get(chosen[0].granularity)))
-            if not running:
+            if (chosen := next_layout()) is None:
                 break
-            done, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
-            for outcome in (f.result() for f in done):
-                compiles += outcome.compiles
-                if outcome.evaluated is not None or outcome.bounded is not None:
-                    regathered[_learnt_key(outcome.layout)] = outcome.regathered
-                if outcome.kept_under:
-                    kept_under.setdefault(outcome.layout.granularity, {}).update(outcome.kept_under)
-                if outcome.skipped is not None:
-                    say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
-                elif outcome.bounded is not None:
-                    bounded.append(outcome.bounded)
-                    say(f"bounded  {outcome.layout.describe()}: its collectives alone take "
-                        f"{_time(outcome.bounded.floor_s)} (compiled once)")
-                elif outcome.unfit is not None:
-                    unfit.append(outcome.unfit)
-                    say(f"no fit   {outcome.layout.describe()}: leanest {human_bytes(outcome.unfit.least_bytes)}")
-                else:
-                    e = outcome.evaluated
-                    fitting.append(e)
-                    say(f"planned  {e.one_line()}: {_time(e.step_time_s)}, {human_bytes(e.peak)}")
-                    leading = sorted(e.step_time_s for e in fitting)[:keep]
-                    if len(leading) == keep:
-                        cutoff.value = leading[-1]  # Note [step floor]: what a running layout must beat
+            send(*chosen)
+            turn = sent.pop(chosen[0])
+            while workers > 1:  # idle processes compile the layouts next in line (Note [layouts in parallel])
+                busy = sum(not f.done() for f in (turn, *sent.values()))
+                for ahead in upcoming(workers - busy):
+                    send(*ahead)
+                if turn.done():
+                    break
+                futures.wait([turn, *(f for f in sent.values() if not f.done())],
+                             return_when=futures.FIRST_COMPLETED)
+            commit(turn.result())
+            cutoff.value = leading_cutoff()  # Note [step floor]: what a running layout must beat
+        for future in sent.values():  # compiled ahead, and then pruned before its turn
+            future.cancel()
+    compiles += sum(f.result().compiles for f in sent.values() if not f.cancelled())
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
     return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles,
                       tuple(bounded))
@@ -405,14 +440,18 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
     candidate = _spec_of(job.spec, layout, job.budget)
     # Note [pool after the search]: the pool changes neither peak nor prediction, so it is left to the run
     unpooled = attrs.evolve(candidate, options=attrs.evolve(candidate.options, buffer_pool=False))
-    first: dict = {}
+    first: dict = {"checks": 0}  # the first configuration's re-gathers and floor; compiles after it
 
-    def give_up(step) -> str | None:
-        if not first:  # the re-gathers are the layout's, whatever its recompute and prefetch
+    def learn(step) -> None:
+        if "floor" not in first:  # the re-gathers are the layout's, whatever its recompute and prefetch
             first["regathered"] = _regathered(step.schedule)
             first["floor"] = communication_floor(tuple(flat_summary(f) for f in step.flats),
                                                  dict(layout.mesh.axes), job.world, job.cost_model,
                                                  first["regathered"])
+
+    def give_up(step) -> str | None:  # called before each compile after the first
+        learn(step)
+        first["checks"] += 1
         return f"its collectives alone take {_time(first['floor'])}" if first["floor"] >= cutoff() else None
 
     try:
@@ -420,13 +459,15 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                             example_batch=job.example_batch, world_size=job.world, cost_model=job.cost_model,
                             budget_hints=BudgetHints(kept_under or {}, give_up))
     except SearchAbandoned:
-        return Outcome(layout, 1, bounded=Bounded(layout, first["floor"]), regathered=first["regathered"])
+        return Outcome(layout, first["checks"], bounded=Bounded(layout, first["floor"], compiled=True),
+                       regathered=first["regathered"], floor_s=first["floor"])
     except BudgetError as exc:
-        return Outcome(layout, 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True))
+        return Outcome(layout, first["checks"] + 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True),
+                       regathered=first.get("regathered", frozenset()), floor_s=first.get("floor"))
     except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
         return Outcome(layout, 0, skipped=str(exc))
     choice = getattr(compiled, "budget", None)
-    regathered = _regathered(compiled.schedule)
+    learn(compiled)
     if choice is not None:  # the budget search planned the chosen step already
         figures = choice.chosen.step_time_s, choice.chosen.exposed_comm_s, choice.chosen.peak
     else:
@@ -436,7 +477,8 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                           choice.chosen.describe() if choice is not None else
                           f"recompute as the job's, prefetch {job.spec.options.prefetch}")
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
-                   regathered=regathered, kept_under=choice.kept_under if choice is not None else {})
+                   regathered=first["regathered"], floor_s=first["floor"],
+                   kept_under=choice.kept_under if choice is not None else {})
 
 
 @contextlib.contextmanager
@@ -447,10 +489,13 @@ def _compiler(job: Job, workers: int):
     Note [layouts in parallel]: a layout's compile is pure Python on one core (tracing, passes, planning), so
     on a machine of several cores layouts are compiled side by side, each in a process of its own. The
     processes are forked: they inherit the job (its model builder and loss, which need not pickle), and a
-    layout and its outcome are all that cross. The search stays best-first: a layout is sent when a process
-    is free, with the floor and the pruning of every outcome received so far. Pruning is sound whatever the
-    order outcomes arrive in, so the leading ``keep`` layouts are those of the search one at a time; a
-    layout the serial search would have pruned may be compiled while an earlier one still runs.
+    layout and its outcome are all that cross. The search is the one-at-a-time search, run ahead: while a
+    layout compiles, idle processes compile the layouts next in the queue, and each outcome is taken into
+    the search in the order the one-at-a-time search would take it, when the queue reaches its layout. So
+    every decision (what is pruned, grouped, given up, chosen) is the serial search's; what parallel
+    compiles cost is the layouts compiled ahead and then pruned before their turn. A layout compiled ahead
+    of its turn gives up by the cutoff it sees then; one that went further than the search, at its turn,
+    would have let it is taken as given up (`Outcome.floor_s`).
     """
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one at a time
         cutoff = _Cutoff()
