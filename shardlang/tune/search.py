@@ -349,8 +349,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             if (refined := floor_of(layout)) > floor:  # learnt re-gathers raise it: back in line
                 heapq.heappush(queue, (refined, bound, i, layout, units))
                 continue
-            leading = sorted(e.step_time_s for e in fitting)[:keep]
-            if len(leading) < keep or floor < leading[-1]:
+            if floor < leading_cutoff():
                 return layout, units, bound
             for floor, _, _, layout, _ in sorted([(floor, bound, i, layout, units), *queue]):
                 bounded.append(Bounded(layout, floor))
