@@ -18,7 +18,7 @@ Example::
 
 from .analysis.budget import fit_budget
 from .analysis.cost import COMPUTE as COMPUTE_PRESETS, LINKS as LINK_PRESETS, CostModel, op_name
-from .analysis.memory import Category, backend_scratch
+from .analysis.memory import Category
 from .analysis.plan_diff import diff_plans
 from .analysis.plan_report import make_plan
 from .analysis.timeline import write_chrome_trace
@@ -45,7 +45,7 @@ from .schedule.verify import verify
 __all__ = [
     # the entry points and what they take and give
     "StepConfig", "Precision", "Scheduling", "Training", "ParamInfo", "Placement", "LayoutKind", "MeshShape", "WORLD",
-    "compile_step", "with_buffer_pool", "backend_scratch", "compile_eval", "CompiledStep", "collection_paused", "TensorShape", "tied_parameters",
+    "compile_step", "with_buffer_pool", "compile_eval", "CompiledStep", "collection_paused", "TensorShape", "tied_parameters",
     "has_random_ops", "per_rank_seed",
     # flat parameters and optimizers: what a rank holds and updates
     "FlatParam", "Member", "member_piece", "member_span", "shard_of", "slice_spans", "unpack_member",

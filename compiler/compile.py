@@ -28,7 +28,7 @@ from .ir.trace import TensorShape, TracedStep, trace_step
 from .layout.flat import FlatParam
 from .layout.optim import GroupedOptimizer
 from .context import CompileContext
-from .analysis.memory import gloo_scratch, plan_memory
+from .analysis.memory import backend_scratch, gloo_scratch, plan_memory
 from .analysis.pool_choice import slots_within_peak
 from .passes.assign_buffers import assign_buffers, assign_slots, candidate_lives, pools_buffers
 from .passes.contract import GraphProperty
@@ -57,9 +57,21 @@ class CompiledStep:
 
         Planned on first access and kept: the graph and schedule it reads do not change after compile.
         """
-        from .analysis.memory import plan_memory
-
         return plan_memory(self.graph_module, self.schedule, self.context.inputs)
+
+    def memory_on(self, backend: str):
+        """The memory plan with the collective scratch of ``backend``'s links (Note [collective scratch]):
+        ``memory`` for "gloo", none for NCCL. Planned once per backend and kept, as ``memory`` is."""
+        if backend_scratch(backend) is gloo_scratch:
+            return self.memory
+        if backend not in self._plans_on:
+            self._plans_on[backend] = plan_memory(self.graph_module, self.schedule, self.context.inputs,
+                                                  scratch=backend_scratch(backend))
+        return self._plans_on[backend]
+
+    @functools.cached_property
+    def _plans_on(self) -> dict:
+        return {}
 
     @property
     def timeline(self):
@@ -107,22 +119,19 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     return with_buffer_pool(compiled) if buffer_pool else compiled
 
 
-def with_buffer_pool(compiled: CompiledStep, scratch=None) -> CompiledStep:
+def with_buffer_pool(compiled: CompiledStep, backend: str = "gloo") -> CompiledStep:
     """``compiled`` with the slots of the step's pool that do not raise its planned peak (Note [buffer
     assignment], `analysis.pool_choice`); ``compiled`` as it is when there are none.
 
-    ``scratch``: the collective scratch of the plan whose peak the pool keeps
-    (`analysis.memory.backend_scratch` of the link); gloo's by default, the step's own ``memory``.
+    ``backend``: the links whose plan's peak the pool keeps (`CompiledStep.memory_on`); gloo's by
+    default, the step's own ``memory``.
     """
     ctx = compiled.context
     if not pools_buffers(ctx):
         return compiled
-    memory = compiled.memory
-    if scratch is not None and scratch is not gloo_scratch:
-        memory = plan_memory(compiled.graph_module, compiled.schedule, ctx.inputs, scratch=scratch)
     lives = candidate_lives(compiled.graph_module.graph)
     slots = assign_slots(lives)
-    held = slots_within_peak(lives, slots, memory) if lives else set()
+    held = slots_within_peak(lives, slots, compiled.memory_on(backend)) if lives else set()
     chosen = {node.name: index for node, index in slots.items() if index in held}  # a copy keeps the names
     if not chosen:
         return compiled

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler import (
     AdamW, CompiledStep, TensorShape, collection_paused, compile_eval, compile_step, fit_budget, human_bytes,
-    backend_scratch, tied_parameters, with_buffer_pool,
+    tied_parameters, with_buffer_pool,
 )
 from .step.batch import check_example_batch
 from shardlang.spec.vocabulary import Recompute
@@ -171,7 +171,7 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     if cost_model is None:
         return at(resolved.config), recipe
     # the pool keeps the peak of the plan for the cost model's link (Note [pool after the search])
-    return with_buffer_pool(at(resolved.config, buffer_pool=False), backend_scratch(cost_model.link.backend)), recipe
+    return with_buffer_pool(at(resolved.config, buffer_pool=False), cost_model.link.backend), recipe
 
 
 def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budget_hints=None) -> CompiledStep:
@@ -184,7 +184,7 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budge
     fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
     free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
     config = resolved.config
-    scratch = backend_scratch(cost_model.link.backend) if cost_model is not None else None  # the pool's plan
+    backend = cost_model.link.backend if cost_model is not None else "gloo"  # whose plan the pool keeps
     first = at(config.scheduled(recompute=fixed), buffer_pool=False)  # Note [pool after the search]
     cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
 
@@ -198,7 +198,7 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budge
     step, choice = fit_budget(budget, compile_at, free, base_prefetch=resolved.options.prefetch,
                               max_prefetch=len(resolved.units), fixed=fixed, cost_model=cost_model,
                               hints=lambda leanest: _what_would_fit(budget, leanest, resolved, example_batch),
-                              finish=lambda step: with_buffer_pool(step, scratch),
+                              finish=lambda step: with_buffer_pool(step, backend),
                               kept_under=budget_hints.kept_under if budget_hints else None,
                               give_up=budget_hints.give_up if budget_hints else None)
     return attrs.evolve(step, budget=choice)

@@ -101,7 +101,6 @@ import attrs
 from shardlang.errors import SpecError
 from shardlang.spec.vocabulary import Recompute
 from ..schedule.schedule_format import human_bytes
-from .memory import backend_scratch, gloo_scratch, plan_memory
 
 
 class BudgetError(SpecError):
@@ -221,15 +220,8 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     fixed = dict(fixed or {})
     max_prefetch = len(units) + 1 if max_prefetch is None else max_prefetch
     compiled: dict[tuple, tuple[object, Candidate]] = {}
-    base: dict[str, object] = {}
-    scratch = backend_scratch(cost_model.link.backend)
-
-    def planned(step):
-        """The step's memory plan with its link's collective scratch (gloo's copies; none for NCCL)."""
-        if scratch is gloo_scratch:
-            return step.memory  # the compiled step's own plan, made once
-        return plan_memory(step.graph_module, step.schedule, step.context.inputs, scratch=scratch)
-  # the first configuration's memory plan and timeline (Note [policy floor])
+    base: dict[str, object] = {}  # the first configuration's memory plan and timeline (Note [policy floor])
+    backend = cost_model.link.backend  # the plans count this link's collective scratch
 
     def evaluate(policy: Recompute, k: int, depth: int) -> Candidate:
         chosen = {u: policy for u in units[:k]} if policy is not Recompute.NONE else {}
@@ -240,7 +232,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
                 raise SearchAbandoned(reason)
             step = compile_at(recompute, depth)
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
-            memory, timeline = planned(step), cost_model.predict(step.schedule, step.graph_module)
+            memory, timeline = step.memory_on(backend), cost_model.predict(step.schedule, step.graph_module)
             base.setdefault("step", (step, memory, timeline))
             kept = {u.unit: u.kept for u in memory.units}
             compiled[key] = (step, Candidate(shown, depth, memory.peak, timeline.step_time_s, policy.value, k, kept,
@@ -276,7 +268,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
     others = [c for _, c in compiled.values() if c != best]
     if finish is not None:  # Note [pool after the search]: the chosen step as it will run, and its own figures
         finished = finish(step)
-        if finished is not step and (peak := planned(finished).peak) <= budget:
+        if finished is not step and (peak := finished.memory_on(backend).peak) <= budget:
             timeline = cost_model.predict(finished.schedule, finished.graph_module)
             step, best = finished, attrs.evolve(best, peak=peak, step_time_s=timeline.step_time_s,
                                                 exposed_comm_s=timeline.exposed_comm_s)

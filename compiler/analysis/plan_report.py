@@ -84,12 +84,14 @@ def make_plan(compiled=None, *, graph_module: fx.GraphModule | None = None, sche
     memory plan's collective scratch follows its link's backend unless
     ``scratch`` is given (Note [collective scratch] in `compiler.analysis.memory`).
     """
+    cost_model = cost_model or CostModel()
     if compiled is not None:
         graph_module, schedule, inputs = compiled.graph_module, compiled.schedule, compiled.context.inputs
-    cost_model = cost_model or CostModel()
-    if scratch is None:
-        scratch = backend_scratch(cost_model.link.backend)
-    memory = plan_memory(graph_module, schedule, inputs, scratch=scratch)
+    if compiled is not None and scratch is None:
+        memory = compiled.memory_on(cost_model.link.backend)  # planned once, as the budget search may have
+    else:
+        memory = plan_memory(graph_module, schedule, inputs,
+                             scratch=backend_scratch(cost_model.link.backend) if scratch is None else scratch)
     return Plan(schedule, memory, cost_model.predict(schedule, graph_module), getattr(compiled, "budget", None))
 
 

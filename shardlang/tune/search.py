@@ -393,8 +393,8 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     def upcoming(count: int) -> list[tuple]:
         """The ``count`` layouts the queue holds next, with what the search sends each, should nothing change."""
         ahead = [entry for entry in heapq.nsmallest(count + len(sent), queue) if entry[3] not in sent]
-        return [(layout, units, bound) for floor, bound, _, layout, units in ahead[:count]
-                if floor_of(layout) < leading_cutoff()]
+        cutoff = leading_cutoff()
+        return [(layout, units, bound) for _, bound, _, layout, units in ahead[:count] if floor_of(layout) < cutoff]
 
     sent: dict[Layout, futures.Future] = {}  # Note [layouts in parallel]: each layout's compile, once started
     with _compiler(job, workers) as (submit, cutoff):
