@@ -65,9 +65,10 @@ def in_terminal(*args: str, columns: int = 0, env: dict | None = None, timeout: 
     chunks = []
     try:
         while time.monotonic() - started < timeout:
+            exited = process.poll() is not None  # read before waiting: what it wrote before exiting is read below
             ready, _, _ = select.select([parent], [], [], 1.0)
             if not ready:
-                if process.poll() is not None:
+                if exited:
                     break
                 continue
             try:
