@@ -131,3 +131,37 @@ def test_a_budget_with_a_calibration_leaves_out_the_runtimes_share(tmp_path, cap
     path.write_text(json.dumps(raw))
     with pytest.raises(SpecError, match="runtime_bytes is -1"):
         step_budget(8 * 2**20, path)
+
+
+def test_calibrate_fits_the_step_of_the_job_and_spec_given(tmp_path, capsys, monkeypatch):
+    """``--job`` (and ``--spec``): the step factor is fitted on that job's step with that spec, not the 10M GPT's."""
+    monkeypatch.setenv("GPT_SIZE", "tiny")  # the ranks inherit it
+    job = _gpt_job("tiny")
+    ddp = attrs.evolve(job.spec, strategies=(("*", "ddp"),))
+    spec_file = tmp_path / "ddp.toml"
+    spec_file.write_text(ddp.to_toml())
+    out = tmp_path / "machine.json"
+    assert main(["calibrate", "--nproc", "2", "--reps", "2", "--job", GPT, "--spec", str(spec_file),
+                 "--out", str(out)]) == 0
+    assert f"{GPT}'s step on 2 ranks" in capsys.readouterr().out
+    fit = json.loads(out.read_text())["step_fit"]
+    assert fit["job"] == GPT
+    # the unscaled prediction is the probes' model's for the tiny GPT under DDP, and the scale makes it the measured
+    fitted = read_calibration(out)
+    probed = attrs.evolve(fitted, compute=scaled_compute(fitted.compute, 1 / fit["scale"]))
+
+    def predicted(spec, model):
+        planned = sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                          example_batch=rank_batch(job, 0, 2, 0), world_size=2)
+        return make_plan(planned, cost_model=model).timeline.step_time_s
+
+    assert predicted(ddp, probed) == pytest.approx(fit["predicted_s"], rel=1e-6)
+    assert predicted(job.spec, probed) != pytest.approx(fit["predicted_s"], rel=1e-3)  # the spec file counted
+    if 0.25 < fit["scale"] < 8:
+        assert predicted(ddp, fitted) == pytest.approx(fit["measured_s"], rel=1e-3)
+
+
+def test_calibrate_spec_needs_a_job(tmp_path, capsys):
+    assert main(["calibrate", "--spec", str(tmp_path / "a.toml"), "--out", str(tmp_path / "m.json")]) == 2
+    assert "a spec replaces a job's; give the job with --job FILE" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()

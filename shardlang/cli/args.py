@@ -25,7 +25,7 @@ from ..compiler import COMPUTE_PRESETS, CostModel, LINK_PRESETS
 
 
 def add_spec_argument(parser) -> None:
-    """``--spec FILE``: a spec TOML file in place of the job's ``spec`` (``run``, ``plan``, ``check``)."""
+    """``--spec FILE``: a spec TOML file in place of the job's ``spec`` (``run``, ``plan``, ``check``, ``calibrate``)."""
     parser.add_argument("--spec", metavar="FILE", default=None,
                         help="a spec TOML file (its [shardlang] table, or the whole file; `shardlang tune` writes "
                              "one) used in place of the job file's spec")

@@ -1,14 +1,17 @@
-"""``shardlang calibrate [--nproc N] [--reps R] --out machine.json``: measure this machine for the cost model.
+"""``shardlang calibrate [--nproc N] [--reps R] [--job FILE [--spec FILE]] --out machine.json``: measure this
+machine for the cost model.
 
 Short probes on the real backend (Note [calibration] in `shardlang.tune.calibrate`):
 the link's latency and bandwidth per collective and message size on N local
 ranks, the compute rate and per-op overhead with the threads one rank gets,
-and how much gloo's copies slow compute on the same cores. ``plan`` and
-``tune`` take the file with ``--calibration``.
+how much gloo's copies slow compute on the same cores, and one step on the N
+ranks (the 10M GPT's, or ``--job``'s) that the compute model is scaled to
+predict. ``plan`` and ``tune`` take the file with ``--calibration``.
 
 Example::
 
     $ shardlang calibrate --nproc 2 --out machine.json
+    $ shardlang calibrate --nproc 2 --job examples/gpt.py --out machine.json   # fitted on this job's step
     $ shardlang tune examples/gpt.py --world 2 --calibration machine.json
 """
 
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tune.calibrate import PAYLOADS, calibrate
-from .args import output_file, positive
+from ..errors import SpecError
+from ..tune.calibrate import PAYLOADS, StepJob, calibrate
+from .job import load_job
+from .args import add_spec_argument, output_file, positive, spec_path
 
 
 def add_parser(subparsers) -> None:
@@ -31,15 +36,25 @@ def add_parser(subparsers) -> None:
                         help="local ranks to measure the link on (default 2; at least 2)")
     parser.add_argument("--reps", metavar="R", type=positive("a number of repetitions"), default=9,
                         help="repetitions of each probe (default 9)")
+    parser.add_argument("--job", metavar="FILE", default=None,
+                        help="a job file whose step (on the N ranks, with its spec) the compute model is fitted to "
+                             "(default: examples/gpt.py at GPT_SIZE=10M); calibrate on the job you will tune")
+    add_spec_argument(parser)
     parser.add_argument("--out", metavar="PATH", type=output_file, required=True, help="the calibration file")
     parser.set_defaults(command=main)
 
 
 def main(args) -> int:
     """Measure and write the calibration; prints what it measured."""
+    if args.spec and not args.job:
+        raise SpecError(f"--spec {args.spec}: a spec replaces a job's; give the job with --job FILE")
+    job = StepJob()
+    if args.job:
+        load_job(args.job, spec_path(args))  # a bad job or spec is an error now, not after the probes
+        job = StepJob(str(Path(args.job).resolve()), spec_path(args), args.job)
     print(f"shardlang calibrate: {args.nproc} local ranks, {len(PAYLOADS)} payloads x 3 collectives, "
-          f"{args.reps} repetitions each", flush=True)
-    calibration = calibrate(args.nproc, args.reps)
+          f"{args.reps} repetitions each; the step of {job.name}", flush=True)
+    calibration = calibrate(args.nproc, args.reps, job)
     Path(args.out).write_text(calibration.to_json())
     print(calibration.summary())
     print(f"wrote {args.out}: shardlang plan JOB --world N --calibration {args.out}")

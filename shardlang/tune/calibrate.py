@@ -22,11 +22,14 @@ Note [calibration]: short probes on the real backend, N local ranks:
 - the step at the calibrated world size: the probes above miss what N ranks
   training side by side cost each other beyond them (a 2-core machine's ranks
   and gloo's threads share cores, caches and memory bandwidth all step long).
-  The 10M GPT's step is compiled and run on the N ranks, as ``tune --measure``
-  runs one (the median of the slowest rank's steps), and the compute model is
-  scaled (rates divided, per-node costs multiplied, by one factor) until the
-  cost model predicts that step: ``step_fit`` records the measured and the
-  unscaled predicted step and the factor.
+  A step is compiled and run on the N ranks, as ``tune --measure`` runs one
+  (the median of the slowest rank's steps), and the compute model is scaled
+  (rates divided, per-node costs multiplied, by one factor) until the cost
+  model predicts that step: ``step_fit`` records the job, the measured and the
+  unscaled predicted step and the factor. The step is the 10M GPT's, or with
+  ``--job`` the user's own job's (its spec, or ``--spec``'s): a model whose
+  step is more arithmetic or more per-node overhead than the 10M GPT's is
+  predicted better by a factor fitted on itself.
 
 Note [the runtime's share]: the memory plan counts the step's tensors; a
 process running it holds more (the compiled graphs, gloo's buffers, Python's
@@ -75,6 +78,7 @@ VERSION = 1
 PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MATMUL = 512
+SCALE_LIMITS = (0.25, 8.0)  # the step factor's range: a step outside it is not the compute's to explain
 
 
 @attrs.frozen
@@ -87,7 +91,7 @@ class Calibration:
     world_size: int
     threads: int
     samples: tuple[tuple[str, int, float], ...]  # (kind, payload bytes, seconds)
-    step_fit: dict | None = None  # {"measured_s", "predicted_s" (unscaled), "scale"}: the step at world_size
+    step_fit: dict | None = None  # {"job", "measured_s", "predicted_s" (unscaled), "scale"}: the step at world_size
     runtime_bytes: int = 0  # Note [the runtime's share]: bytes in use at the step's peak beyond its plan
 
     def cost_model(self) -> CostModel:
@@ -110,9 +114,13 @@ class Calibration:
                  f"contention: compute runs {self.contention:.2f}x as long while a collective runs beside it"]
         if self.step_fit:
             fit = self.step_fit
-            lines.append(f"the 10M GPT's step on {self.world_size} ranks: measured {fit['measured_s'] * 1e3:.1f} ms, "
-                         f"predicted {fit['predicted_s'] * 1e3:.1f} ms by the probes alone; compute scaled by "
-                         f"{fit['scale']:.3f} to match")
+            at_limit = fit["scale"] in (SCALE_LIMITS[0], SCALE_LIMITS[1])
+            lines.append(f"{fit.get('job', 'the 10M GPT')}'s step on {self.world_size} ranks: measured "
+                         f"{fit['measured_s'] * 1e3:.1f} ms, predicted {fit['predicted_s'] * 1e3:.1f} ms by the "
+                         f"probes alone; compute scaled by {fit['scale']:.3f} "
+                         + ("to match" if not at_limit else
+                            "(the fit's limit: scaling compute cannot match a step this much "
+                            f"{'longer' if fit['scale'] > 1 else 'shorter'}; calibrate on a step with more compute)"))
         if self.runtime_bytes:
             lines.append(f"the runtime holds {human_bytes(self.runtime_bytes)} in use beyond the step's plan at its "
                          "peak: --memory-budget leaves it out of what the step may plan")
@@ -122,13 +130,15 @@ class Calibration:
         return "\n".join(lines)
 
 
-def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
-    """Measure the link on ``nproc`` local ranks and the compute with the threads one of them gets."""
+def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None) -> Calibration:
+    """Measure the link on ``nproc`` local ranks and the compute with the threads one of them gets; the step
+    factor on ``job``'s step (default: the 10M GPT's)."""
     from ..cli.common import threads_per_rank
     from ..runtime.launcher import launch
 
     if nproc < 2:
         raise SpecError(f"--nproc {nproc}: measuring a link needs at least 2 ranks")
+    job = job or StepJob()
     threads = threads_per_rank(nproc)
     results = launch(probe_rank, nproc, reps, timeout=None, threads=threads, name="shardlang calibrate")
     samples = tuple((kind, payload, max(r["link"][f"{kind}/{payload}"] for r in results))
@@ -142,21 +152,37 @@ def calibrate(nproc: int = 2, reps: int = 9) -> Calibration:
                                                 for f in fields})
     contention = max(1.0, statistics.median(r["contention"] for r in results))
     probed = CostModel(link=link, compute=compute, contention=contention)
-    fit = launch(step_rank, nproc, probed, reps, timeout=None, threads=threads,
-                 name="shardlang calibrate: a step")[0]
+    fit = launch(step_rank, nproc, probed, reps, job, timeout=None, threads=threads,
+                 name=f"shardlang calibrate: {job.name}'s step")[0]
     runtime = fit.pop("runtime_bytes")
     return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit, runtime)
 
 
-def step_rank(ctx, model: CostModel, reps: int) -> dict:
-    """The 10M GPT's step on this rank's world, measured as ``tune --measure`` does, and the compute scale that
-    makes ``model`` predict it (module level: the launcher pickles it by reference)."""
+@attrs.frozen
+class StepJob:
+    """The job whose step fixes the calibration's step factor: a job file and an optional spec file in place of
+    its spec (absolute paths: ranks load it), or None for the 10M GPT; ``name`` is how the summary calls it."""
+
+    path: str | None = None
+    spec_file: str | None = None
+    name: str = "the 10M GPT"
+
+    def load(self):
+        from ..cli.job import load_job
+
+        return _gpt_job("10M") if self.path is None else load_job(self.path, self.spec_file)
+
+
+def step_rank(ctx, model: CostModel, reps: int, step_job: StepJob | None = None) -> dict:
+    """``step_job``'s step (default: the 10M GPT's) on this rank's world, measured as ``tune --measure`` does,
+    and the compute scale that makes ``model`` predict it (module level: the launcher pickles it by reference)."""
     from ..cli.common import compile_job, rank_batch
     from ..cli.job import build
 
     from .measure import timed_steps
 
-    job = _gpt_job("10M")
+    step_job = step_job or StepJob()
+    job = step_job.load()
     in_use_base = malloc_in_use()
     step = compile_job(job, build(job), rank_batch(job, 0, ctx.world_size, ctx.rank), ctx)
     times, sampled_peak = timed_steps(ctx, job, step, max(3, reps // 2), warmup=2)  # as tune --measure times it
@@ -167,7 +193,7 @@ def step_rank(ctx, model: CostModel, reps: int) -> dict:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     measured = statistics.median(slowest[:-1].tolist())
     predicted = model.predict(compiled.schedule, compiled.graph_module).step_time_s
-    return {"measured_s": measured, "predicted_s": predicted,
+    return {"job": step_job.name, "measured_s": measured, "predicted_s": predicted,
             "scale": compute_scale(model, lambda m: m.predict(compiled.schedule, compiled.graph_module).step_time_s,
                                    measured),
             "runtime_bytes": max(0, int(slowest[-1]))}
@@ -179,7 +205,8 @@ def scaled_compute(compute: ComputeModel, scale: float) -> ComputeModel:
                         op_overhead_s=compute.op_overhead_s * scale, view_overhead_s=compute.view_overhead_s * scale)
 
 
-def compute_scale(model: CostModel, predict, measured_s: float, low: float = 0.25, high: float = 8.0) -> float:
+def compute_scale(model: CostModel, predict, measured_s: float, low: float = SCALE_LIMITS[0],
+                  high: float = SCALE_LIMITS[1]) -> float:
     """The factor on ``model``'s compute whose prediction (``predict(cost model)``) is ``measured_s``, by bisection.
 
     A prediction grows with the factor (compute only lengthens), so the bisection converges; a step outside
