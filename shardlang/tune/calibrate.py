@@ -119,8 +119,8 @@ class Calibration:
                          f"{fit['measured_s'] * 1e3:.1f} ms, predicted {fit['predicted_s'] * 1e3:.1f} ms by the "
                          f"probes alone; compute scaled by {fit['scale']:.3f} "
                          + ("to match" if not at_limit else
-                            "(the fit's limit: scaling compute cannot match a step this much "
-                            f"{'longer' if fit['scale'] > 1 else 'shorter'}; calibrate on a step with more compute)"))
+                            "(the fit's limit: scaling compute alone does not match this step; calibrate on a step "
+                            "that is mostly compute)"))
         if self.runtime_bytes:
             lines.append(f"the runtime holds {human_bytes(self.runtime_bytes)} in use beyond the step's plan at its "
                          "peak: --memory-budget leaves it out of what the step may plan")
