@@ -17,6 +17,13 @@ For examples/gpt.py at ``--size`` (``GPT_SIZE``) on ``--world`` local ranks:
 It writes every number to ``--out`` and prints: tune's measured pick against the
 grid's best (target: within 5%), and the distribution of measured / predicted
 step time over the grid (target: within 15% after ``calibrate``).
+
+``--replan RESULTS.json`` measures nothing: it plans the grid of an earlier
+run's results with ``--calibration`` and prints that distribution against the
+steps measured then (two calibrations compared on one sitting's measurements):
+
+    python -m benchmarks.tune --size 100M --world 2 --calibration other.json \\
+        --replan docs/benchmarks/tune/100M-n2.json
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="4GiB,TIGHT", help="comma-separated budgets; TIGHT as above")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--replan", metavar="RESULTS", default=None,
+                        help="plan an earlier run's grid with --calibration against its measured steps; measure nothing")
     args = parser.parse_args()
     os.environ["GPT_SIZE"] = args.size  # read by the job at import, here and in every measured rank
     sys.path.insert(0, str(ROOT))
@@ -77,12 +86,24 @@ def main() -> None:
     world = args.world
     example = rank_batch(job, 0, world, 0)
     specs = grid(job.spec, world)
+
+    def planned(spec):
+        return make_plan(api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                                  example_batch=example, world_size=world, cost_model=model), cost_model=model)
+
+    if args.replan:
+        earlier = json.loads(Path(args.replan).read_text())
+        if (earlier["size"], earlier["world"]) != (args.size, world):
+            sys.exit(f"--replan {args.replan}: measured at {earlier['size']}, N={earlier['world']}; "
+                     f"give --size {earlier['size']} --world {earlier['world']}")
+        print_ratios([row["measured_s"] / planned(spec).timeline.step_time_s
+                      for spec, row in zip(specs, earlier["grid"])])
+        return
     print(f"{args.size} GPT, N={world}: planning and measuring {len(specs)} hand-written specs", flush=True)
     rows = []
     measured = measure(str(JOB), specs, world, steps=args.steps)
     for spec, m in zip(specs, measured):
-        plan = make_plan(api.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
-                                  example_batch=example, world_size=world, cost_model=model), cost_model=model)
+        plan = planned(spec)
         rows.append({"spec": describe(spec), "predicted_s": plan.timeline.step_time_s, "planned_peak": plan.memory.peak,
                      "measured_s": m.step_time_s, "measured_peak": m.peak, "measured_in_use": m.in_use_peak})
         print(f"  {describe(spec):<26} predicted {plan.timeline.step_time_s * 1e3:8.2f} ms  measured "
@@ -118,14 +139,19 @@ def main() -> None:
                   f" (search {searched:.1f} s, {entry['compiles']} compiles)", flush=True)
         else:
             print(f"budget {human_bytes(budget)}: {'nothing fits' if chosen is None else 'no grid spec fits'}")
-    ratios = sorted(r["measured_s"] / r["predicted_s"] for r in rows)
-    within = sum(abs(x - 1) <= 0.15 for x in ratios)
-    print(f"measured / predicted over the grid: min {ratios[0]:.2f}, median {statistics.median(ratios):.2f}, "
-          f"max {ratios[-1]:.2f}; {within} of {len(ratios)} within 15%")
-    results["ratio_distribution"] = ratios
+    results["ratio_distribution"] = print_ratios([r["measured_s"] / r["predicted_s"] for r in rows])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def print_ratios(ratios: list[float]) -> list[float]:
+    """Print the distribution of measured / predicted step times against the 15% target; the ratios, sorted."""
+    ratios = sorted(ratios)
+    within = sum(abs(x - 1) <= 0.15 for x in ratios)
+    print(f"measured / predicted over the grid: {', '.join(f'{x:.2f}' for x in ratios)}; min {ratios[0]:.2f}, "
+          f"median {statistics.median(ratios):.2f}, max {ratios[-1]:.2f}; {within} of {len(ratios)} within 15%")
+    return ratios
 
 
 if __name__ == "__main__":
