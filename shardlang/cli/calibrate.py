@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..tune.calibrate import PAYLOADS, StepJob, calibrate
-from .job import load_job
 from .args import add_spec_argument, output_file, positive, spec_path
+from .job import load_job
 
 
 def add_parser(subparsers) -> None:

@@ -114,7 +114,7 @@ class Calibration:
                  f"contention: compute runs {self.contention:.2f}x as long while a collective runs beside it"]
         if self.step_fit:
             fit = self.step_fit
-            at_limit = fit["scale"] in (SCALE_LIMITS[0], SCALE_LIMITS[1])
+            at_limit = fit["scale"] in SCALE_LIMITS
             lines.append(f"{fit.get('job', 'the 10M GPT')}'s step on {self.world_size} ranks: measured "
                          f"{fit['measured_s'] * 1e3:.1f} ms, predicted {fit['predicted_s'] * 1e3:.1f} ms by the "
                          f"probes alone; compute scaled by {fit['scale']:.3f} "
