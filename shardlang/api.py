@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .compiler import (
-    AdamW, CompiledStep, TensorShape, collection_paused, compile_eval, compile_step, fit_budget, human_bytes,
-    tied_parameters, with_buffer_pool,
+    COMPUTE_PRESETS, LINK_PRESETS, AdamW, CompiledStep, CostModel, TensorShape, collection_paused, compile_eval,
+    compile_step, fit_budget, human_bytes, tied_parameters, with_buffer_pool,
 )
 from .step.batch import check_example_batch
 from shardlang.spec.vocabulary import Recompute
@@ -81,7 +81,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
     check_not_handed_over(model)
     init = Init(seed=init_seed, init_weights=init_weights, weights=weights)
     compiled, recipe = _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, ctx.world_size,
-                                            check_each_pass, dump_dir)
+                                            check_each_pass, dump_dir, runtime_cost_model(ctx.backend))
     state = None
     if has_meta(model) or weights is not None:
         state = materialize(compiled, model, ctx.rank, ctx.device, init)
@@ -157,10 +157,14 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     check_example_batch(example_batch)
     resolved = spec.resolve(model, world_size)
 
+    backend = _link_backend(cost_model)
+
     def at(config, traced=None, *, batch=example_batch, buffers=None, tied=None, dump_dir=dump_dir,
            buffer_pool=True) -> CompiledStep:
-        return compile_step(model, loss_fn, config, optimizer, batch, check_each_pass=check_each_pass,
-                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied, buffer_pool=buffer_pool)
+        step = compile_step(model, loss_fn, config, optimizer, batch, check_each_pass=check_each_pass,
+                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied, buffer_pool=False)
+        # the pool keeps the peak of the plan for the cost model's link (Note [pool after the search])
+        return with_buffer_pool(step, backend) if buffer_pool else step
 
     recipe = Recipe(model, loss_fn, resolved, optimizer, at,
                     {name: TensorShape.of(b) for name, b in model.named_buffers()}, tied_parameters(model),
@@ -168,10 +172,7 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     budget = resolved.options.memory_budget
     if budget is not None:
         return _fit_budget(budget, resolved, at, example_batch, cost_model, budget_hints), recipe
-    if cost_model is None:
-        return at(resolved.config), recipe
-    # the pool keeps the peak of the plan for the cost model's link (Note [pool after the search])
-    return with_buffer_pool(at(resolved.config, buffer_pool=False), cost_model.link.backend), recipe
+    return at(resolved.config), recipe
 
 
 def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budget_hints=None) -> CompiledStep:
@@ -184,7 +185,7 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budge
     fixed = {u: p for u, p in resolved.recompute.items() if p is not Recompute.NONE}
     free = [u for u in resolved.units if u and u not in fixed] or [u for u in resolved.units if u not in fixed]
     config = resolved.config
-    backend = cost_model.link.backend if cost_model is not None else "gloo"  # whose plan the pool keeps
+    backend = _link_backend(cost_model)
     first = at(config.scheduled(recompute=fixed), buffer_pool=False)  # Note [pool after the search]
     cache = {(tuple(sorted((u, p.value) for u, p in fixed.items())), resolved.options.prefetch): first}
 
@@ -202,6 +203,21 @@ def _fit_budget(budget: int, resolved, at, example_batch, cost_model=None, budge
                               kept_under=budget_hints.kept_under if budget_hints else None,
                               give_up=budget_hints.give_up if budget_hints else None)
     return attrs.evolve(step, budget=choice)
+
+
+def runtime_cost_model(backend: Backend) -> CostModel | None:
+    """The cost model a step compiled on real ranks searches its memory budget with and keeps its pool's peak
+    under: the default (gloo on this CPU; None) on gloo, the nvlink and h100-bf16 presets on NCCL, so that the
+    plan searched is the one with NCCL's collective scratch. ``shardlang plan --link nvlink --compute h100-bf16``
+    shows the same choice."""
+    if backend is Backend.GLOO:
+        return None
+    return CostModel(link=LINK_PRESETS["nvlink"], compute=COMPUTE_PRESETS["h100-bf16"])
+
+
+def _link_backend(cost_model) -> str:
+    """The backend whose plan (collective scratch) a budget search and a pool read: the cost model's link's."""
+    return cost_model.link.backend if cost_model is not None else "gloo"
 
 
 def _what_would_fit(budget: int, leanest: CompiledStep, resolved, example_batch) -> list[str]:

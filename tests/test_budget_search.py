@@ -71,6 +71,33 @@ def plan(world: int, budget=None, recompute=None, cost_model=None):
                    cost_model=cost_model)
 
 
+def test_a_step_on_nccl_ranks_pools_every_shape_against_the_nccl_plan():
+    """A step compiled on NCCL ranks searches its budget with the NCCL presets (`api.runtime_cost_model`), and
+    every shape it compiles later (`Recipe`) keeps its pool within the NCCL plan's peak, as the first does.
+    (examples/gpt.py at N=4 under 1.15 MiB: slots chosen against gloo's plan raise the NCCL peak by 21 KiB.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlang.cli.common import rank_batch
+    from shardlang.cli.job import build, load_job
+    from shardlang.runtime.dist import Backend
+
+    assert api.runtime_cost_model(Backend.GLOO) is None
+    nccl = api.runtime_cost_model(Backend.NCCL)
+    assert nccl.link.backend == "nccl"
+    job, world = load_job(str(EXAMPLES / "gpt.py")), 4
+    spec = attrs.evolve(job.spec, options=attrs.evolve(job.spec.options, memory_budget=int(1.15 * 2**20)))
+    batch = rank_batch(job, 0, world, 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build(job)
+    first, recipe = api._compile_with_recipe(model, job.loss_fn, spec, job.optimizer, batch, world, False, None,
+                                             nccl)
+    assert first.budget.chosen.recompute, "the budget must choose a recompute for this test to compare like with like"
+    again = recipe.compile(batch, first.context, 1)
+    unpooled = recipe.compile_at(first.context.config, batch=batch, buffer_pool=False)
+    peak = make_plan(unpooled, cost_model=nccl).memory.peak
+    assert make_plan(first, cost_model=nccl).memory.peak == make_plan(again, cost_model=nccl).memory.peak == peak
+
+
 @pytest.mark.parametrize("world, model", [(1, CostModel()), (4, CostModel()), (2, COMPUTE_BOUND)],
                          ids=["default-1", "default-4", "compute-bound-2"])
 def test_budget_search_chooses_what_a_linear_search_chooses(monkeypatch, world, model):
