@@ -134,7 +134,8 @@ def test_a_budget_with_a_calibration_leaves_out_the_runtimes_share(tmp_path, cap
 
 
 def test_calibrate_fits_the_step_of_the_job_and_spec_given(tmp_path, capsys, monkeypatch):
-    """``--job`` (and ``--spec``): the step factor is fitted on that job's step with that spec, not the 10M GPT's."""
+    """``--job`` (and ``--spec``): the step factor is fitted on that job's step with that spec, not the 10M GPT's.
+    ``--max-payload``: the link is probed up to that size."""
     monkeypatch.setenv("GPT_SIZE", "tiny")  # the ranks inherit it
     job = _gpt_job("tiny")
     ddp = attrs.evolve(job.spec, strategies=(("*", "ddp"),))
@@ -142,9 +143,12 @@ def test_calibrate_fits_the_step_of_the_job_and_spec_given(tmp_path, capsys, mon
     spec_file.write_text(ddp.to_toml())
     out = tmp_path / "machine.json"
     assert main(["calibrate", "--nproc", "2", "--reps", "2", "--job", GPT, "--spec", str(spec_file),
-                 "--out", str(out)]) == 0
+                 "--max-payload", "1MiB", "--out", str(out)]) == 0
     assert f"{GPT}'s step on 2 ranks" in capsys.readouterr().out
-    fit = json.loads(out.read_text())["step_fit"]
+    raw = json.loads(out.read_text())
+    assert sorted({payload for _, payload, _ in raw["samples"]}) == [2**16, 2**18, 2**20]
+    assert len(raw["samples"]) == 9
+    fit = raw["step_fit"]
     assert fit["job"] == GPT
     # the unscaled prediction is the probes' model's for the tiny GPT under DDP, and the scale makes it the measured
     fitted = read_calibration(out)
@@ -161,7 +165,9 @@ def test_calibrate_fits_the_step_of_the_job_and_spec_given(tmp_path, capsys, mon
         assert predicted(ddp, fitted) == pytest.approx(fit["measured_s"], rel=1e-3)
 
 
-def test_calibrate_spec_needs_a_job(tmp_path, capsys):
+def test_calibrate_spec_needs_a_job_and_probes_start_at_64kib(tmp_path, capsys):
     assert main(["calibrate", "--spec", str(tmp_path / "a.toml"), "--out", str(tmp_path / "m.json")]) == 2
     assert "a spec replaces a job's; give the job with --job FILE" in capsys.readouterr().err
+    assert main(["calibrate", "--max-payload", "1KiB", "--out", str(tmp_path / "m.json")]) == 2
+    assert "--max-payload 1.00 KiB: the link's probes start at 64.00 KiB" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()

@@ -1,5 +1,5 @@
-"""``shardlang calibrate [--nproc N] [--reps R] [--job FILE [--spec FILE]] --out machine.json``: measure this
-machine for the cost model.
+"""``shardlang calibrate [--nproc N] [--reps R] [--max-payload SIZE] [--job FILE [--spec FILE]] --out machine.json``:
+measure this machine for the cost model.
 
 Short probes on the real backend (Note [calibration] in `shardlang.tune.calibrate`):
 the link's latency and bandwidth per collective and message size on N local
@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SpecError
-from ..tune.calibrate import PAYLOADS, StepJob, calibrate
-from .args import add_spec_argument, output_file, positive, spec_path
+from ..tune.calibrate import PAYLOADS, StepJob, calibrate, probe_payloads
+from .args import add_spec_argument, byte_size, output_file, positive, spec_path
 from .job import load_job
 
 
@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
                         help="local ranks to measure the link on (default 2; at least 2)")
     parser.add_argument("--reps", metavar="R", type=positive("a number of repetitions"), default=9,
                         help="repetitions of each probe (default 9)")
+    parser.add_argument("--max-payload", metavar="SIZE", type=byte_size, default=PAYLOADS[-1],
+                        help="the largest collective the link is probed at (default 16MiB; from 64KiB, x4 a step): "
+                             "probe as far as the job's largest collective")
     parser.add_argument("--job", metavar="FILE", default=None,
                         help="a job file whose step (on the N ranks, with its spec) the compute model is fitted to "
                              "(default: examples/gpt.py at GPT_SIZE=10M); calibrate on the job you will tune")
@@ -52,9 +55,10 @@ def main(args) -> int:
     if args.job:
         load_job(args.job, spec_path(args))  # a bad job or spec is an error now, not after the probes
         job = StepJob(str(Path(args.job).resolve()), spec_path(args), args.job)
-    print(f"shardlang calibrate: {args.nproc} local ranks, {len(PAYLOADS)} payloads x 3 collectives, "
+    payloads = probe_payloads(args.max_payload)
+    print(f"shardlang calibrate: {args.nproc} local ranks, {len(payloads)} payloads x 3 collectives, "
           f"{args.reps} repetitions each; the step of {job.name}", flush=True)
-    calibration = calibrate(args.nproc, args.reps, job)
+    calibration = calibrate(args.nproc, args.reps, job, payloads)
     Path(args.out).write_text(calibration.to_json())
     print(calibration.summary())
     print(f"wrote {args.out}: shardlang plan JOB --world N --calibration {args.out}")

@@ -2,7 +2,7 @@
 
 Note [calibration]: short probes on the real backend, N local ranks:
 
-- the link: for each collective kind and payload (64 KiB to 16 MiB), the
+- the link: for each collective kind and payload (64 KiB to 16 MiB, or ``--max-payload``), the
   median of the quicker third of an issue + wait after a barrier, the slowest
   rank's; then the least-squares fit of the ring model ``steps * alpha +
   wire_bytes / bandwidth`` in relative error (each sample weighted by 1/t, so a
@@ -75,7 +75,7 @@ from ..runtime.peak_memory import malloc_in_use
 
 FORMAT = "shardlang.calibration"
 VERSION = 1
-PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB
+PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB: the default probes
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MATMUL = 512
 SCALE_LIMITS = (0.25, 8.0)  # the step factor's range: a step outside it is not the compute's to explain
@@ -125,14 +125,26 @@ class Calibration:
             lines.append(f"the runtime holds {human_bytes(self.runtime_bytes)} in use beyond the step's plan at its "
                          "peak: --memory-budget leaves it out of what the step may plan")
         fit = self.cost_model().link
-        worst = max(abs(fit.time(k, self.world_size, p) / t - 1) for k, p, t in self.samples)
-        lines.append(f"the link's fit is within {100 * worst:.0f}% of each of its {len(self.samples)} samples")
+        error = lambda sample: abs(fit.time(sample[0], self.world_size, sample[1]) / sample[2] - 1)  # noqa: E731
+        kind, payload, seconds = worst = max(self.samples, key=error)
+        lines.append(f"the link's fit is within {100 * error(worst):.0f}% of each of its {len(self.samples)} samples "
+                     f"(the farthest: {kind} of {human_bytes(payload)}, measured {seconds * 1e3:.2f} ms, fitted "
+                     f"{fit.time(kind, self.world_size, payload) * 1e3:.2f} ms)")
         return "\n".join(lines)
 
 
-def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None) -> Calibration:
-    """Measure the link on ``nproc`` local ranks and the compute with the threads one of them gets; the step
-    factor on ``job``'s step (default: the 10M GPT's)."""
+def probe_payloads(largest: int = PAYLOADS[-1]) -> tuple[int, ...]:
+    """The link's probe sizes: 64 KiB, 256 KiB, ... (x4) up to ``largest`` bytes."""
+    if largest < PAYLOADS[0]:
+        raise SpecError(f"--max-payload {human_bytes(largest)}: the link's probes start at "
+                        f"{human_bytes(PAYLOADS[0])}; give at least that")
+    return tuple(PAYLOADS[0] << 2 * k for k in range(32) if PAYLOADS[0] << 2 * k <= largest)
+
+
+def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None,
+              payloads: tuple[int, ...] = PAYLOADS) -> Calibration:
+    """Measure the link on ``nproc`` local ranks at ``payloads`` and the compute with the threads one of them
+    gets; the step factor on ``job``'s step (default: the 10M GPT's)."""
     from ..cli.common import threads_per_rank
     from ..runtime.launcher import launch
 
@@ -140,9 +152,9 @@ def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None) -> Cali
         raise SpecError(f"--nproc {nproc}: measuring a link needs at least 2 ranks")
     job = job or StepJob()
     threads = threads_per_rank(nproc)
-    results = launch(probe_rank, nproc, reps, timeout=None, threads=threads, name="shardlang calibrate")
+    results = launch(probe_rank, nproc, reps, payloads, timeout=None, threads=threads, name="shardlang calibrate")
     samples = tuple((kind, payload, max(r["link"][f"{kind}/{payload}"] for r in results))
-                    for kind in KINDS for payload in PAYLOADS)
+                    for kind in KINDS for payload in payloads)
     backend = results[0]["backend"]
     alpha, bandwidth = fit_link(samples, nproc, gloo=backend == "gloo")
     link = LinkModel(f"calibrated-{backend}", alpha_s=alpha, bandwidth=bandwidth, backend=backend,
@@ -223,14 +235,14 @@ def compute_scale(model: CostModel, predict, measured_s: float, low: float = SCA
     return math.sqrt(low * high)
 
 
-def probe_rank(ctx, reps: int) -> dict:
+def probe_rank(ctx, reps: int, payloads: tuple[int, ...] = PAYLOADS) -> dict:
     """One rank's probes (module level: the launcher pickles it by reference): link times and contention."""
     c10d = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     n = ctx.world_size
     times = {}
     for kind in KINDS:
-        for payload in PAYLOADS:
+        for payload in payloads:
             x = torch.randn(payload // 4 // (n if kind == "all_gather" else 1), device=ctx.device)
             runs = []
             for _ in range(reps + 2):
