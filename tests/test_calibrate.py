@@ -165,9 +165,10 @@ def test_calibrate_fits_the_step_of_the_job_and_spec_given(tmp_path, capsys, mon
         assert predicted(ddp, fitted) == pytest.approx(fit["measured_s"], rel=1e-3)
 
 
-def test_calibrate_spec_needs_a_job_and_probes_start_at_64kib(tmp_path, capsys):
+def test_calibrate_spec_needs_a_job_and_probes_lie_within_64kib_to_1gib(tmp_path, capsys):
     assert main(["calibrate", "--spec", str(tmp_path / "a.toml"), "--out", str(tmp_path / "m.json")]) == 2
     assert "a spec replaces a job's; give the job with --job FILE" in capsys.readouterr().err
-    assert main(["calibrate", "--max-payload", "1KiB", "--out", str(tmp_path / "m.json")]) == 2
-    assert "--max-payload 1.00 KiB: the link's probes start at 64.00 KiB" in capsys.readouterr().err
+    for size in ("1KiB", "2GiB"):
+        assert main(["calibrate", "--max-payload", size, "--out", str(tmp_path / "m.json")]) == 2
+        assert "the link's probes run from 64.00 KiB to at most 1.00 GiB" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()

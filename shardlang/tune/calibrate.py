@@ -76,6 +76,7 @@ from ..runtime.peak_memory import malloc_in_use
 FORMAT = "shardlang.calibration"
 VERSION = 1
 PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB: the default probes
+MAX_PAYLOAD = 1 << 30
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MATMUL = 512
 SCALE_LIMITS = (0.25, 8.0)  # the step factor's range: a step outside it is not the compute's to explain
@@ -125,7 +126,10 @@ class Calibration:
             lines.append(f"the runtime holds {human_bytes(self.runtime_bytes)} in use beyond the step's plan at its "
                          "peak: --memory-budget leaves it out of what the step may plan")
         fit = self.cost_model().link
-        error = lambda sample: abs(fit.time(sample[0], self.world_size, sample[1]) / sample[2] - 1)  # noqa: E731
+        def error(sample) -> float:
+            kind, payload, seconds = sample
+            return abs(fit.time(kind, self.world_size, payload) / seconds - 1)
+
         kind, payload, seconds = worst = max(self.samples, key=error)
         lines.append(f"the link's fit is within {100 * error(worst):.0f}% of each of its {len(self.samples)} samples "
                      f"(the farthest: {kind} of {human_bytes(payload)}, measured {seconds * 1e3:.2f} ms, fitted "
@@ -134,11 +138,15 @@ class Calibration:
 
 
 def probe_payloads(largest: int = PAYLOADS[-1]) -> tuple[int, ...]:
-    """The link's probe sizes: 64 KiB, 256 KiB, ... (x4) up to ``largest`` bytes."""
-    if largest < PAYLOADS[0]:
-        raise SpecError(f"--max-payload {human_bytes(largest)}: the link's probes start at "
-                        f"{human_bytes(PAYLOADS[0])}; give at least that")
-    return tuple(PAYLOADS[0] << 2 * k for k in range(32) if PAYLOADS[0] << 2 * k <= largest)
+    """The link's probe sizes: 64 KiB, 256 KiB, ... (x4) up to ``largest`` bytes (64 KiB to 1 GiB)."""
+    if not PAYLOADS[0] <= largest <= MAX_PAYLOAD:
+        raise SpecError(f"--max-payload {human_bytes(largest)}: the link's probes run from "
+                        f"{human_bytes(PAYLOADS[0])} to at most {human_bytes(MAX_PAYLOAD)} (each rank holds a "
+                        "probe's input and output at once); give a size in that range")
+    sizes = [PAYLOADS[0]]
+    while sizes[-1] * 4 <= largest:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
 
 
 def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None,
