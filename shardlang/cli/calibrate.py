@@ -29,9 +29,10 @@ def add_parser(subparsers) -> None:
     """Register ``shardlang calibrate`` on the top-level parser's subparsers."""
     parser = subparsers.add_parser(
         "calibrate", help="measure this machine's link and compute for the cost model",
-        description="Measure the link (each collective, 64 KiB to 16 MiB) on N local ranks, the compute with the "
-                    "threads one rank gets, and their contention; write a calibration that plan and tune take "
-                    "with --calibration (docs/tune.md).")
+        description="Measure the link (each collective, 64 KiB to --max-payload) on N local ranks, the compute with "
+                    "the threads one rank gets, their contention, and one step on the N ranks (the 10M GPT's, or "
+                    "--job's) that the compute model is fitted to; write a calibration that plan and tune take with "
+                    "--calibration (docs/tune.md).")
     parser.add_argument("--nproc", metavar="N", type=positive("a number of ranks"), default=2,
                         help="local ranks to measure the link on (default 2; at least 2)")
     parser.add_argument("--reps", metavar="R", type=positive("a number of repetitions"), default=9,
