@@ -508,6 +508,9 @@ CATALOGUE: tuple[BadInput, ...] = (
                  '"link": {"alpha_s": 1e-4, "bandwidth": -1, "backend": "gloo"}, "compute": {"flops_per_s": 1e11, '
                  '"bytes_per_s": 1e10, "op_overhead_s": 0, "view_overhead_s": 0}}', "m.json")), C,
              ("<tmp>/m.json", "link.bandwidth is -1", "> 0")),
+    BadInput("cli-calibrate-max-payload", "CLI", "`shardlang calibrate --max-payload 2GiB --out m.json`",
+             lambda tmp: cli("calibrate", "--max-payload", "2GiB", "--out", str(tmp / "m.json")), C,
+             ("--max-payload 2.00 GiB", "from 64.00 KiB to at most 1.00 GiB", "give a size in that range")),
     BadInput("data-missing-index", "data", "`sl.data.tokens('<tmp>/data', seq_len=8, global_batch=2)`, never prepared",
              lambda tmp: sl.data.tokens(_mkdir(tmp / "data"), seq_len=8, global_batch=2), D,
              ("<tmp>/data", "has no index.json", "shardlang data prepare")),
