@@ -16,7 +16,7 @@ from shardlang.errors import SpecError
 from shardlang.step.batch import split_batch
 from shardlang.cli.common import rank_batch
 from shardlang.cli.job import build
-from shardlang.tune.calibrate import (_gpt_job, compute_scale, fit_link, read_calibration, scaled_compute,
+from shardlang.tune.calibrate import (_gpt_job, beyond_probes, compute_scale, fit_link, read_calibration, scaled_compute,
                                       step_budget)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -172,3 +172,31 @@ def test_calibrate_spec_needs_a_job_and_probes_lie_within_64kib_to_1gib(tmp_path
         assert main(["calibrate", "--max-payload", size, "--out", str(tmp_path / "m.json")]) == 2
         assert "the link's probes run from 64.00 KiB to at most 1.00 GiB" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()
+
+
+def test_plan_and_tune_say_when_a_collective_is_larger_than_the_calibration_probed(tmp_path, capsys):
+    """A collective larger than any probe is timed by the fit's extrapolation: plan and tune say so, and how far
+    to probe (`beyond_probes`); within the probes they say nothing."""
+    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0,
+           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
+           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
+                       "view_overhead_s": 1e-6},
+           "samples": [[kind, 2**16, 1e-3] for kind in ("all_gather", "reduce_scatter", "all_reduce")]}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(raw))
+    assert beyond_probes(2**16, path) is None
+    assert beyond_probes(3 * 2**20, path).endswith("shardlang calibrate --max-payload 4MiB)")
+    assert beyond_probes(2**20, path).endswith("shardlang calibrate --max-payload 1MiB)")
+    assert beyond_probes(2**31, path).endswith("shardlang calibrate --max-payload 1024MiB)")
+    # the tiny GPT at N=2: its blocks' gathers move 195.25 KiB, beyond the one 64 KiB probe
+    assert main(["plan", GPT, "--world", "2", "--calibration", str(path)]) == 0
+    assert ("note: the largest collective moves 195.25 KiB, and the calibration " + str(path) + " probed the link "
+            "up to 64.00 KiB: its time is the fit's extrapolation (to probe that far: shardlang calibrate "
+            "--max-payload 256KiB)") in capsys.readouterr().out
+    assert main(["tune", GPT, "--world", "2", "--calibration", str(path), "--jobs", "1"]) == 0
+    assert "its time is the fit's extrapolation" in capsys.readouterr().out
+    raw["samples"].append(["all_gather", 2**24, 1e-2])
+    path.write_text(json.dumps(raw))
+    assert main(["plan", GPT, "--world", "2", "--calibration", str(path)]) == 0
+    assert main(["tune", GPT, "--world", "2", "--calibration", str(path), "--jobs", "1"]) == 0
+    assert "extrapolation" not in capsys.readouterr().out

@@ -181,6 +181,11 @@ class Schedule:
         return Summary(self.world_size, counts, sizes, wire)
 
     @property
+    def largest_collective(self) -> int:
+        """The payload bytes of the schedule's largest collective (0: none)."""
+        return max((op.bytes for op in self.ops if op.kind in COLLECTIVE_KINDS), default=0)
+
+    @property
     def is_evaluation(self) -> bool:
         """Whether this is a forward-only evaluation schedule (`compiler.evaluate`)."""
         return bool(self.options.get("evaluate"))

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .. import api
 from ..compiler import CostModel
+from ..tune.calibrate import beyond_probes
 from .job import build, global_batch, load_job
 from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, output_file, positive,
                    recompute_rule, spec_path, step_memory_budget)
@@ -75,15 +76,20 @@ def main(args) -> int:
                              recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval,
                              spec_file=spec_path(args))
         _write_pictures(args, plan)
+    note = beyond_probes(plan.schedule.largest_collective, args.calibration) if args.calibration else None
     if args.json:
         stdout.write(plan.to_json(indent=2) + "\n")
         stdout.flush()
+        if note:
+            print(note, file=sys.stderr)
         return 0
     shapes = " ".join(str(tuple(t.shape)) for t in plan_example_leaves(job, args.world, args.batch_step))
     what = "evaluation (forward only)" if args.eval else f"optimizer {job.optimizer!r}"
     print(f"shardlang plan {shown(job.path)}: world {args.world}, {what}, "
           f"per-rank batch of step {args.batch_step}: {shapes}\n")
     print(plan.report())
+    if note:
+        print("\n" + note)
     return 0
 
 

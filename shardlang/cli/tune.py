@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from ..compiler import human_bytes
+from ..tune.calibrate import beyond_probes
 from ..tune.search import tune
 from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, positive,
                    spec_path, step_memory_budget)
@@ -91,6 +92,8 @@ def main(args) -> int:
     if args.measure:
         chosen = _measure(args, job, result)
     print(result.explanation() if chosen is result.best else f"chose {chosen.one_line()} (measured fastest)")
+    if args.calibration and (note := beyond_probes(chosen.largest_collective, args.calibration)):
+        print(note)
     if args.out:
         Path(args.out).write_text(chosen.spec.to_toml())
         print(f"\nwrote the spec to {args.out}: shardlang run {shown(job.path)} --nproc {world} --spec {args.out}")

@@ -429,6 +429,22 @@ def read_calibration(path: str | Path) -> CostModel:
     return CostModel(link=link_model, compute=compute_model, contention=contention)
 
 
+def beyond_probes(largest: int, path: str | Path) -> str | None:
+    """A note when a step's largest collective (``largest`` payload bytes) is larger than any the calibration
+    at ``path`` probed: its time is the link fit's extrapolation, which can be far off (docs/tune.md)."""
+    samples = _calibration_file(path).get("samples")
+    payloads = [s[1] for s in samples if isinstance(s, list) and len(s) == 3 and isinstance(s[1], int)] \
+        if isinstance(samples, list) else []
+    if not payloads or largest <= max(payloads):
+        return None
+    wanted = probe_payloads(min(MAX_PAYLOAD, max(PAYLOADS[0], largest)))[-1]
+    wanted = wanted if wanted >= largest else min(MAX_PAYLOAD, wanted * 4)
+    size = f"{wanted >> 20}MiB" if wanted >= 1 << 20 else f"{wanted >> 10}KiB"  # as --max-payload reads it
+    return (f"note: the largest collective moves {human_bytes(largest)}, and the calibration {path} probed the link "
+            f"up to {human_bytes(max(payloads))}: its time is the fit's extrapolation (to probe that far: "
+            f"shardlang calibrate --max-payload {size})")
+
+
 def step_budget(budget: int, path: str | Path) -> int:
     """``budget`` (a process's bytes) less the calibration's ``runtime_bytes`` (Note [the runtime's share]).
 

@@ -126,6 +126,7 @@ class Evaluated:
     exposed_comm_s: float
     peak: int
     schedule_choice: str  # recompute and prefetch, as the budget search chose them
+    largest_collective: int = 0  # payload bytes (`calibrate.beyond_probes` says when the link was not probed so far)
 
     def one_line(self) -> str:
         return f"{self.layout.describe()}, {self.schedule_choice}"
@@ -474,7 +475,8 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
         figures = plan.timeline.step_time_s, plan.timeline.exposed_comm_s, plan.memory.peak
     evaluated = Evaluated(layout, _chosen(candidate, choice, units), *figures,
                           choice.chosen.describe() if choice is not None else
-                          f"recompute as the job's, prefetch {job.spec.options.prefetch}")
+                          f"recompute as the job's, prefetch {job.spec.options.prefetch}",
+                          compiled.schedule.largest_collective)
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
                    regathered=first["regathered"], floor_s=first["floor"],
                    kept_under=choice.kept_under if choice is not None else {})
