@@ -437,8 +437,7 @@ def beyond_probes(largest: int, path: str | Path) -> str | None:
         if isinstance(samples, list) else []
     if not payloads or largest <= max(payloads):
         return None
-    wanted = probe_payloads(min(MAX_PAYLOAD, max(PAYLOADS[0], largest)))[-1]
-    wanted = wanted if wanted >= largest else min(MAX_PAYLOAD, wanted * 4)
+    wanted = next((size for size in probe_payloads(MAX_PAYLOAD) if size >= largest), MAX_PAYLOAD)
     size = f"{wanted >> 20}MiB" if wanted >= 1 << 20 else f"{wanted >> 10}KiB"  # as --max-payload reads it
     return (f"note: the largest collective moves {human_bytes(largest)}, and the calibration {path} probed the link "
             f"up to {human_bytes(max(payloads))}: its time is the fit's extrapolation (to probe that far: "
