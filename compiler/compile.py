@@ -62,11 +62,12 @@ class CompiledStep:
     def memory_on(self, backend: str):
         """The memory plan with the collective scratch of ``backend``'s links (Note [collective scratch]):
         ``memory`` for "gloo", none for NCCL. Planned once per backend and kept, as ``memory`` is."""
-        if backend_scratch(backend) is gloo_scratch:
+        scratch = backend_scratch(backend)
+        if scratch is gloo_scratch:
             return self.memory
         if backend not in self._plans_on:
             self._plans_on[backend] = plan_memory(self.graph_module, self.schedule, self.context.inputs,
-                                                  scratch=backend_scratch(backend))
+                                                  scratch=scratch)
         return self._plans_on[backend]
 
     @functools.cached_property

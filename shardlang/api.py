@@ -217,7 +217,7 @@ def runtime_cost_model(backend: Backend) -> CostModel | None:
 
 def _link_backend(cost_model) -> str:
     """The backend whose plan (collective scratch) a budget search and a pool read: the cost model's link's."""
-    return cost_model.link.backend if cost_model is not None else "gloo"
+    return (cost_model or CostModel()).link.backend  # the budget search's default model when None
 
 
 def _what_would_fit(budget: int, leanest: CompiledStep, resolved, example_batch) -> list[str]:

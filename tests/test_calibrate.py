@@ -16,8 +16,8 @@ from shardlang.errors import SpecError
 from shardlang.step.batch import split_batch
 from shardlang.cli.common import rank_batch
 from shardlang.cli.job import build
-from shardlang.tune.calibrate import (_gpt_job, beyond_probes, compute_scale, fit_link, read_calibration, scaled_compute,
-                                      step_budget)
+from shardlang.tune.calibrate import (_gpt_job, beyond_probes, compute_scale, fit_link, read_calibration,
+                                      scaled_compute, step_budget)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -48,6 +48,14 @@ def test_calibrate_writes_a_file_that_plan_and_tune_take(tmp_path, capsys):
         assert make_plan(planned, cost_model=model).timeline.step_time_s == pytest.approx(fit["measured_s"], rel=1e-3)
     assert main(["plan", GPT, "--world", "2", "--calibration", str(out)]) == 0
     assert "calibrated-gloo" in capsys.readouterr().out
+
+
+def _calibration_json(**fields) -> dict:
+    """A calibration file's JSON object with round numbers, ``fields`` added or replaced."""
+    return {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0,
+            "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
+            "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
+                        "view_overhead_s": 1e-6}} | fields
 
 
 def _gpt_10m():
@@ -93,10 +101,7 @@ def test_contention_stretches_compute_that_overlaps_a_collective():
     (lambda raw: raw.update(compute_slowdown_under_comm=0.5), "compute_slowdown_under_comm is 0.5"),
 ])
 def test_a_bad_calibration_file_names_the_field(tmp_path, edit, names):
-    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.2,
-           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
-           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
-                       "view_overhead_s": 1e-6}}
+    raw = _calibration_json(compute_slowdown_under_comm=1.2)
     path = tmp_path / "m.json"
     path.write_text(json.dumps(raw))
     assert read_calibration(path).contention == 1.2
@@ -108,10 +113,7 @@ def test_a_bad_calibration_file_names_the_field(tmp_path, edit, names):
 
 def test_a_budget_with_a_calibration_leaves_out_the_runtimes_share(tmp_path, capsys):
     """Note [the runtime's share]: the step plans within the budget less what the runtime was measured holding."""
-    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0,
-           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
-           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
-                       "view_overhead_s": 1e-6}, "runtime_bytes": 3 * 2**20}
+    raw = _calibration_json(runtime_bytes=3 * 2**20)
     path = tmp_path / "m.json"
     path.write_text(json.dumps(raw))
     assert step_budget(8 * 2**20, path) == 5 * 2**20
@@ -177,11 +179,7 @@ def test_calibrate_spec_needs_a_job_and_probes_lie_within_64kib_to_1gib(tmp_path
 def test_plan_and_tune_say_when_a_collective_is_larger_than_the_calibration_probed(tmp_path, capsys):
     """A collective larger than any probe is timed by the fit's extrapolation: plan and tune say so, and how far
     to probe (`beyond_probes`); within the probes they say nothing."""
-    raw = {"format": "shardlang.calibration", "version": 1, "compute_slowdown_under_comm": 1.0,
-           "link": {"name": "x", "alpha_s": 1e-4, "bandwidth": 1e9, "backend": "gloo"},
-           "compute": {"name": "y", "flops_per_s": 1e11, "bytes_per_s": 1e10, "op_overhead_s": 1e-5,
-                       "view_overhead_s": 1e-6},
-           "samples": [[kind, 2**16, 1e-3] for kind in ("all_gather", "reduce_scatter", "all_reduce")]}
+    raw = _calibration_json(samples=[[kind, 2**16, 1e-3] for kind in ("all_gather", "reduce_scatter", "all_reduce")])
     path = tmp_path / "m.json"
     path.write_text(json.dumps(raw))
     assert beyond_probes(2**16, path) is None

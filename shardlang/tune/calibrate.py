@@ -77,6 +77,7 @@ FORMAT = "shardlang.calibration"
 VERSION = 1
 PAYLOADS = tuple(1 << k for k in range(16, 25, 2))  # 64 KiB .. 16 MiB: the default probes
 MAX_PAYLOAD = 1 << 30
+DEFAULT_STEP = "the 10M GPT"  # whose step fits the compute's factor without --job
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MATMUL = 512
 SCALE_LIMITS = (0.25, 8.0)  # the step factor's range: a step outside it is not the compute's to explain
@@ -116,7 +117,7 @@ class Calibration:
         if self.step_fit:
             fit = self.step_fit
             at_limit = fit["scale"] in SCALE_LIMITS
-            lines.append(f"{fit.get('job', 'the 10M GPT')}'s step on {self.world_size} ranks: measured "
+            lines.append(f"{fit.get('job', DEFAULT_STEP)}'s step on {self.world_size} ranks: measured "
                          f"{fit['measured_s'] * 1e3:.1f} ms, predicted {fit['predicted_s'] * 1e3:.1f} ms by the "
                          f"probes alone; compute scaled by {fit['scale']:.3f} "
                          + ("to match" if not at_limit else
@@ -185,7 +186,7 @@ class StepJob:
 
     path: str | None = None
     spec_file: str | None = None
-    name: str = "the 10M GPT"
+    name: str = DEFAULT_STEP
 
     def load(self):
         from ..cli.job import load_job
