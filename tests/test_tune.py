@@ -243,3 +243,101 @@ def test_jobs_must_be_a_positive_number(capsys):
     with pytest.raises(SystemExit):
         main(["tune", GPT, "--world", "2", "--jobs", "0"])
     assert "argument --jobs: '0' is not a number of processes; expected an integer >= 1" in capsys.readouterr().err
+
+
+# Note [the job's own choices]: each dimension the search chooses, preset in the job's spec
+PRESETS = {
+    "units": lambda spec: attrs.evolve(spec, units=["blocks.0", "blocks.1"]),
+    "strategies": lambda spec: attrs.evolve(spec, strategies=[("blocks.0", "zero2"), ("*", "zero1")]),
+    "recompute": lambda spec: attrs.evolve(spec, recompute=[("blocks.0", "full"), ("blocks.*", "selective")]),
+    "prefetch": lambda spec: attrs.evolve(spec, options=attrs.evolve(spec.options, prefetch=2)),
+    "mesh": lambda spec: attrs.evolve(spec, mesh=sl.Mesh(replicate=2, fsdp=-1)),
+    "bucket_bytes": lambda spec: attrs.evolve(spec, options=attrs.evolve(spec.options, bucket_bytes=2**20)),
+}
+
+
+@pytest.mark.parametrize("budget", [None, int(2.1 * 2**20)], ids=["no-budget", "budget"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tune_starts_from_what_the_job_sets_and_its_choice_plans_as_predicted(preset, budget):
+    job = _gpt_job()
+    world, model = 2, CostModel()
+    spec = PRESETS[preset](job.spec)
+    result = tune(lambda: build(job), job.loss_fn, spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                  budget, model, keep=100 if preset == "strategies" else 1)  # all compiled: the job's own too
+    best = result.best
+    again = sl.plan(lambda: build(job), job.loss_fn, best.spec, optimizer=job.optimizer,
+                    example_batch=rank_batch(job, 0, world, 0), world_size=world)
+    plan = make_plan(again, cost_model=model)
+    assert (plan.memory.peak, plan.timeline.step_time_s) == (best.peak, best.step_time_s)
+    assert sl.Spec.from_dict(best.spec.to_dict()).to_dict() == best.spec.to_dict()
+    evaluated = [e for e in result.fitting if e.layout.granularity == "job" and e.layout.group == 1]
+    assert evaluated and not [u for u in result.unfit if u.compiled is False and budget is None]
+    if preset == "units":
+        assert all(e.spec.units == ("blocks.0", "blocks.1") for e in evaluated)
+    if preset == "mesh":  # the job's split first, then the others
+        searched = [tuple(lay.mesh.axes) for lay in layouts(build(job), spec, world)]
+        assert searched[0] == (("replicate", 2), ("fsdp", 1))
+        assert set(searched) == {(("replicate", 2), ("fsdp", 1)), (("fsdp", 2),)}
+    if preset == "prefetch" and budget is None:
+        assert all(e.spec.options.prefetch == 2 for e in result.fitting)
+    if preset == "bucket_bytes":
+        assert all(e.spec.options.bucket_bytes == 2**20 for e in result.fitting if e.layout.group == 1)
+    if preset == "strategies":  # the job's own layout is a candidate, with its strategies as written
+        own = [e for e in result.fitting if e.layout.strategy is None]
+        assert len(own) == 1 and own[0].spec.strategies == spec.strategies, result.fitting
+        assert own[0].one_line().startswith("the job's strategies units [blocks.*]")
+    else:
+        assert all(e.layout.strategy is not None for e in result.fitting)
+
+
+def test_the_job_s_recompute_goes_with_the_layouts_it_fits_and_is_left_out_with_its_reason_where_not():
+    job = _gpt_job()
+    world = 2
+    spec = PRESETS["recompute"](job.spec)
+    result = tune(lambda: build(job), job.loss_fn, spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                  None, CostModel(), keep=100)
+    by_grain = {e.layout.granularity: e for e in result.fitting}
+    assert by_grain["job"].spec.recompute == spec.recompute
+    assert "left out" not in by_grain["job"].one_line()
+    whole = by_grain["whole"]
+    assert whole.spec.recompute is None and whole.spec.units == ()
+    assert whole.one_line().endswith(
+        "recompute as the job's (left out: recompute[0] = RecomputeRule('blocks.0', 'full') matches no unit here; "
+        "recompute[1] = RecomputeRule('blocks.*', 'selective') matches no unit here), prefetch 1")
+    # a rule that matches only units an earlier rule took decides nothing there, and is left out alone
+    from shardlang.spec.recompute import RecomputeRule
+    from shardlang.tune.search import fitting_recompute
+    rules = (RecomputeRule("blocks.*", "full"), RecomputeRule("blocks.1", "selective"), RecomputeRule("*", "full"))
+    assert fitting_recompute(rules, frozenset({"blocks.0", "blocks.1"})) == (
+        rules[::2], ("recompute[1] = RecomputeRule('blocks.1', 'selective') decides no unit here",))
+
+
+def test_the_command_tunes_a_hugging_face_job_that_already_recomputes(tmp_path, capsys):
+    """The job that stopped tune: an HF Llama on meta, units and selective recompute over its layers, bf16 params
+    with fp32 reduce, under a memory budget."""
+    pytest.importorskip("transformers")
+    job = tmp_path / "hf_llama.py"
+    job.write_text(
+        "import torch, transformers, shardlang as sl\n"
+        "import torch.nn.functional as F\n"
+        "config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,"
+        " num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)\n"
+        "def build_model():\n"
+        "    with torch.device('meta'):\n"
+        "        return transformers.LlamaForCausalLM(config)\n"
+        "def loss_fn(model, tokens):\n"
+        "    logits = model(tokens[:, :-1]).logits\n"
+        "    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))\n"
+        "def make_batch(step):\n"
+        "    return torch.randint(96, (8, 17), generator=torch.Generator().manual_seed(step))\n"
+        "spec = sl.Spec(mesh=sl.Mesh(fsdp=-1), units=['model.layers.*'], recompute=[('model.layers.*', 'selective')],"
+        " options=sl.Options(mixed_precision=sl.MixedPrecision(param_dtype=torch.bfloat16,"
+        " reduce_dtype=torch.float32)))\n"
+        "optimizer = sl.AdamW(lr=1e-3)\n")
+    out = tmp_path / "spec.toml"
+    assert main(["tune", str(job), "--world", "8", "--memory-budget", "80GiB", "--link", "nvlink",
+                 "--compute", "h100-bf16", "--jobs", "1", "--out", str(out)]) == 0, capsys.readouterr()
+    text = capsys.readouterr().out
+    assert "units [the whole model]" in text and "error" not in text
+    assert sl.Spec.from_toml(out).options.mixed_precision == sl.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                                 reduce_dtype=torch.float32)

@@ -5,7 +5,8 @@ Note [the tune search]: the search has two levels.
 - The outer level is the *layout*: the unit granularity (the job's units, the
   default repeated blocks, or the whole model as one unit), one strategy for
   every unit (ZeRO-3, ZeRO-2, ZeRO-1, DDP) and the mesh split (``replicate x
-  shard`` for every divisor of N when the job's mesh has one axis).
+  shard`` for every divisor of N when the job's mesh has one axis or is
+  ``replicate x shard``).
 - The inner level is the existing budget search (`compiler.analysis.budget`):
   under ``Options(memory_budget)`` it chooses recompute per unit and the
   prefetch depth at the least predicted step time, compiling one trace under
@@ -59,6 +60,19 @@ The search never changes what is computed: dtypes, mixed precision, optimizer, l
 and every other option of the job's spec are kept; only units, strategies,
 mesh, bucketing, recompute and prefetch change.
 
+Note [the job's own choices]: what the job's spec already sets is where the
+search starts, never a constraint that stops it. Its units are the first
+granularity, its mesh the first split, its ``prefetch`` the depth the budget
+search starts from, its ``bucket_bytes`` the grouping of its ungrouped
+layouts. When it sets ``strategies`` (one per unit, mixed or not), the job's
+own layout (its units, its strategies, its mesh) is a candidate beside the
+one-strategy layouts. Its recompute rules go with every layout without a
+budget (under one, the budget search chooses recompute per unit itself), each
+adapted to the layout's units: a rule that decides none of them (the job's
+``blocks.*`` on the whole model as one unit) is left out of that layout, with
+the reason on its line of the table (`Layout.left_out`); the rules that stay
+decide the same units as in the job.
+
 Example::
 
     result = tune(job, world=4, budget=2 * GIB, cost_model=CostModel())
@@ -88,9 +102,10 @@ from ..compiler.analysis.formulas import REGATHER_DETAIL, flat_collectives
 from ..compiler.schedule.schedule import FlatSummary, OpKind, flat_summary
 from ..errors import SpecError
 from ..spec.mesh import Mesh
+from ..spec.recompute import RecomputeRule
 from ..spec.spec import Spec
 from ..spec.strategy import Strategy
-from ..spec.units import default_units, find_units, unit_of
+from ..spec.units import ROOT_UNIT, default_units, find_units, unit_label, unit_of
 from .patterns import unit_patterns
 
 STRATEGIES = (Strategy.ZERO3, Strategy.ZERO2, Strategy.ZERO1, Strategy.DDP)
@@ -104,16 +119,19 @@ class Layout:
 
     granularity: str  # "job", "blocks" or "whole"
     units: tuple[str, ...] | None  # the spec's unit patterns
-    strategy: Strategy
+    strategy: Strategy | None  # None: the job's own strategies (Note [the job's own choices])
     mesh: Mesh
     group: int = 1  # repeated blocks per collective (Note [grouped blocks]); 1: the job's bucketing
     bucket_bytes: int = 0  # the Options.bucket_bytes that groups them (with group > 1)
+    recompute: tuple[RecomputeRule, ...] | None = None  # the job's rules that fit these units, without a budget
+    left_out: tuple[str, ...] = ()  # why each of the job's other recompute rules does not go with this layout
 
     def describe(self) -> str:
         axes = " x ".join(f"{name}={size}" for name, size in self.mesh.axes)
         units = "the whole model" if self.units == () else ", ".join(self.units or ("default blocks",))
         grouped = f" {self.group} per collective" if self.group > 1 else ""
-        return f"{self.strategy.value} units [{units}]{grouped} mesh {axes}"
+        strategy = "the job's strategies" if self.strategy is None else self.strategy.value
+        return f"{strategy} units [{units}]{grouped} mesh {axes}"
 
 
 @attrs.frozen
@@ -216,16 +234,42 @@ def layouts(model: torch.nn.Module, spec: Spec, world: int) -> list[Layout]:
     if spec.units is not None:
         grains.append(("blocks", None))
     grains.append(("whole", ()))
-    seen, distinct = set(), []
+    seen, distinct, fitted = set(), [], {}
     for name, units in grains:
         found = frozenset(find_units(model, units) if units is not None else default_units(model))
         if found not in seen:
             seen.add(found)
             distinct.append((name, units))
+            fitted[name] = fitting_recompute(spec.recompute, found)
     meshes = _mesh_splits(spec.mesh, world)
+    # Note [the job's own choices]: the job's own strategies, on its units and mesh, are a candidate too
+    own = [Layout("job", spec.units, None, meshes[0], recompute=fitted["job"][0], left_out=fitted["job"][1])
+           ] if spec.strategies is not None else []
     # DDP shards nothing: every split of its mesh is the same step, so only the job's mesh is tried.
-    return [Layout(name, units, strategy, mesh) for name, units in distinct for strategy in STRATEGIES
-            for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes)]
+    return own + [Layout(name, units, strategy, mesh, recompute=fitted[name][0], left_out=fitted[name][1])
+                  for name, units in distinct for strategy in STRATEGIES
+                  for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes)]
+
+
+def fitting_recompute(rules: tuple[RecomputeRule, ...] | None,
+                      units: frozenset[str]) -> tuple[tuple[RecomputeRule, ...] | None, tuple[str, ...]]:
+    """The job's recompute ``rules`` a layout of ``units`` takes, and why each of the others is left out.
+
+    Note [the job's own choices]. A rule goes with the layout where it decides one of its units (the
+    first match wins, as in the spec); one that matches none of them, or only units an earlier rule
+    took, is left out. Leaving out a rule that decides nothing changes no other unit's policy.
+    Example: ``fitting_recompute((RecomputeRule("blocks.*", "full"),), frozenset())`` is ``(None,
+    ("recompute[0] = RecomputeRule('blocks.*', 'full') matches no unit here",))``.
+    """
+    if not rules:
+        return rules, ()
+    labels = [unit_label(u) for u in (ROOT_UNIT, *sorted(units))]
+    deciding = {next((i for i, rule in enumerate(rules) if rule.matches(label)), None) for label in labels}
+    kept = tuple(rule for i, rule in enumerate(rules) if i in deciding)
+    left_out = tuple(f"recompute[{i}] = {rule!r} "
+                     f"{'decides' if any(rule.matches(label) for label in labels) else 'matches'} no unit here"
+                     for i, rule in enumerate(rules) if i not in deciding)
+    return kept or None, left_out
 
 
 def grouped_layouts(layout: Layout, flats: Sequence[FlatSummary]) -> list[Layout]:
@@ -248,12 +292,14 @@ def held_lower_bound(layout: Layout, param_bytes: int, state_per_param: int, wor
 
     ``state_per_param``: optimizer state tensors per parameter (AdamW 2, SGD with momentum 1).
     ZeRO-3 / ZeRO-2 hold a shard of both; ZeRO-1 the whole parameters and a shard of the state;
-    DDP both whole. A shard is over the shard axis (N / replicas ranks). ``gathered_units``, each
+    DDP both whole; the job's own strategies (``strategy`` None), a mix of these, at least a shard of both. A shard is over the shard axis (N / replicas ranks). ``gathered_units``, each
     unit's bytes gathered (in the dtype it is computed in): ZeRO-3 holds at least the largest one
     gathered at some moment, ZeRO-2 every one at the end of the forward (it does not reshard).
     """
     shard = world // dict(layout.mesh.axes).get(REPLICATE_AXIS, 1)
     state = param_bytes * state_per_param
+    if layout.strategy is None:  # the job's strategies, whatever they are, shard at most everything
+        return (param_bytes + state) // shard
     if layout.strategy is Strategy.ZERO3:
         return (param_bytes + state) // shard + max(gathered_units, default=0)
     if layout.strategy is Strategy.ZERO2:
@@ -474,8 +520,7 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
         plan = make_plan(compiled, cost_model=job.cost_model)
         figures = plan.timeline.step_time_s, plan.timeline.exposed_comm_s, plan.memory.peak
     evaluated = Evaluated(layout, _chosen(candidate, choice, units), *figures,
-                          choice.chosen.describe() if choice is not None else
-                          f"recompute as the job's, prefetch {job.spec.options.prefetch}",
+                          choice.chosen.describe() if choice is not None else _as_the_job(layout, job.spec),
                           compiled.schedule.largest_collective)
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
                    regathered=first["regathered"], floor_s=first["floor"],
@@ -596,24 +641,38 @@ def _gathered_units(model: torch.nn.Module, spec: Spec, layout: Layout) -> tuple
 
 
 def _mesh_splits(mesh: Mesh, world: int) -> list[Mesh]:
-    """The job's mesh, and when it has one axis, ``replicate x shard`` for every other divisor of ``world``."""
+    """The job's mesh first, then, when it has one axis or is ``replicate x shard`` (what the search writes),
+    the shard axis alone and ``replicate x shard`` for every other divisor of ``world``."""
     bound = mesh.bind(world)
-    if len(bound.axes) != 1:
+    names = bound.axis_names
+    if len(names) == 1:
+        axis = names[0]
+    elif len(names) == 2 and names[0] == REPLICATE_AXIS:
+        axis = names[1]
+    else:
         return [bound]
-    (axis, _), = bound.axes
-    splits = [bound]
-    for replicas in range(2, world + 1):
-        if world % replicas == 0 and replicas < world:
+    splits = [bound, Mesh(**{axis: world})]
+    for replicas in range(2, world):
+        if world % replicas == 0:
             splits.append(Mesh(**{REPLICATE_AXIS: replicas, axis: world // replicas}))
-    return splits
+    return list(dict.fromkeys(splits))
 
 
 def _spec_of(spec: Spec, layout: Layout, budget: int | None) -> Spec:
+    """The job's spec with ``layout``'s choices (Note [the job's own choices]); under ``budget``, the budget
+    search's recompute rather than the job's."""
     options = spec.options if budget is None else attrs.evolve(spec.options, memory_budget=budget)
     if layout.group > 1:
         options = attrs.evolve(options, bucket_bytes=layout.bucket_bytes)
-    return attrs.evolve(spec, mesh=layout.mesh, units=layout.units, strategies=[("*", layout.strategy.value)],
-                        options=options, recompute=spec.recompute if budget is None else None)
+    strategies = spec.strategies if layout.strategy is None else [("*", layout.strategy.value)]
+    return attrs.evolve(spec, mesh=layout.mesh, units=layout.units, strategies=strategies,
+                        options=options, recompute=layout.recompute if budget is None else None)
+
+
+def _as_the_job(layout: Layout, spec: Spec) -> str:
+    """A layout's schedule without a budget: the job's recompute (what of it fits) and prefetch."""
+    left_out = f" (left out: {'; '.join(layout.left_out)})" if layout.left_out else ""
+    return f"recompute as the job's{left_out}, prefetch {spec.options.prefetch}"
 
 
 def _chosen(spec: Spec, choice, units: Sequence[str]) -> Spec:
