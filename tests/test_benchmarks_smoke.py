@@ -67,6 +67,21 @@ def test_checkpoint_benchmark_measures_both_systems(tmp_path):
     assert "| shardlang |" in done.stdout and "| fsdp2 |" in done.stdout
 
 
+def test_the_interleaved_load_benchmark_times_both_systems_and_every_phase(tmp_path):
+    out = tmp_path / "load.json"
+    command = [sys.executable, "-m", "benchmarks.checkpoint_load", "--size", "tiny", "--world", "2", "--repeats", "2",
+               "--dir", str(tmp_path / "ckpt"), "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [p["first"] for p in result["pairs"]] == ["shardlang", "fsdp2"]  # the order alternates
+    assert all(p["shardlang_s"] > 0 and p["fsdp2_s"] > 0 for p in result["pairs"])
+    # every phase of shardlang's load ran and was timed (this version has each one's function)
+    assert all(phases[label] > 0 for phases in result["phases"]
+               for label in ("item bytes read", "segment digests", "tensor records", "copy into the step"))
+    assert "| median |" in done.stdout and "| tensor records |" in done.stdout
+
+
 def test_recompute_benchmark_measures_both_policies(tmp_path):
     command = [sys.executable, "-m", "benchmarks.recompute", "--size", "tiny", "--world", "2", "--seq-len", "32",
                "--global-batch", "4", "--reps", "1", "--out", str(tmp_path)]

@@ -13,6 +13,11 @@ the file names:
   ``torch.load(weights_only=False)``. shardlang's planner reads them with
   `load_value`: ``torch.load(weights_only=True)``, torch's own allowlist of
   primitive types and tensors.
+- every tensor item, a ``torch.save`` archive that DCP's reader hands to
+  ``torch.load(weights_only=True)``. `SafeReader.read_data` reads each with
+  `tensor_records.tensor_of`, the C unpickler restricted to the globals a
+  plain tensor names, and ``torch.load(weights_only=True)`` for any other
+  (Note [tensor records]).
 
 A refused type is a `CheckpointError` naming the file and the type. shardlang's
 own entries are tensors, numbers or JSON strings (Note [checkpoint keys]), so a
@@ -35,11 +40,15 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from ..errors import CheckpointError
 from .store import DIGEST, SEGMENTS
+from .tensor_records import tensor_of
 
 #: What `.metadata` may name: DCP's metadata types, and the torch and Python types their fields hold.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -127,25 +136,65 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, each file's items in the order they lie in it, each tensor read as Note [tensor records]
+        says; items DCP stored through transforms (compression, extensions) are read by DCP's own loop."""
+        if any(getattr(self.storage_data[item.storage_index], "transform_descriptors", None) for item in plan.items):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            where = str(Path(self.path) / relative_path)
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    data = self._read_item(stream, self.storage_data[item.storage_index])
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(data))
+                        continue
+                    _copy_into(planner, item, tensor_of(data, where), where)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
     def _slice_file(self, file, sinfo):
+        return io.BytesIO(self._read_item(file, sinfo))
+
+    def _read_item(self, file, sinfo) -> bytearray:
+        """One item's bytes, checked against the file's segment digests where they tile the item."""
         name = Path(sinfo.relative_path).name
+        where = Path(self.path) / name
+        file.seek(sinfo.offset)
+        data = bytearray(sinfo.length)  # writable: a tensor is a view of it (Note [tensor records])
+        if file.readinto(data) != sinfo.length:
+            raise CheckpointError(f"{where} ends inside bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
+                                  "(truncated)", path=where)
         segments = _tiling(self.files.get(name, {}).get(SEGMENTS), sinfo.offset, sinfo.offset + sinfo.length)
         if segments is None:
             if name in self.files:
                 self.unverified.add(name)
-            return super()._slice_file(file, sinfo)
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)  # bytes: BytesIO shares them instead of copying
-        view = memoryview(data)
-        where = Path(self.path) / name
-        if len(data) != sinfo.length:
-            raise CheckpointError(f"{where} ends inside bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
-                                  "(truncated)", path=where)
-        for start, end, digest in segments:
-            if xxhash.xxh3_64_intdigest(view[start - sinfo.offset:end - sinfo.offset]) != digest:
-                raise CheckpointError(f"{where} does not match its checksum (corrupt): bytes {start}..{end}",
-                                      path=where)
-        return io.BytesIO(data)
+            return data
+        _check_segments(data, sinfo.offset, segments, where)
+        return data
+
+
+def _check_segments(data: bytearray, offset: int, segments, where: Path) -> None:
+    """``data``, the file's bytes from ``offset``, against the digests of the segments that tile it."""
+    view = memoryview(data)
+    for start, end, digest in segments:
+        if xxhash.xxh3_64_intdigest(view[start - offset:end - offset]) != digest:
+            raise CheckpointError(f"{where} does not match its checksum (corrupt): bytes {start}..{end}", path=where)
+
+
+def _copy_into(planner: LoadPlanner, item, tensor: torch.Tensor, where: str) -> None:
+    """The read item's part of ``tensor`` into the tensor the planner loads it to, as DCP's reader does."""
+    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise CheckpointError(f"{where}: {item.dest_index.fqn} holds {tuple(tensor.size())} where its metadata "
+                              f"says {tuple(target.size())}", path=where, key=item.dest_index.fqn)
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
 
 
 def _tiling(segments, start: int, end: int):
