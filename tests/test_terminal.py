@@ -117,6 +117,33 @@ def test_the_bar_is_live_during_training_on_a_terminal_of_unknown_width():
     assert f"{CLEAR_LINE}[rank 1] a line from rank 1\r\n" in screen.text, screen.text
     printed_at = screen.first(r"a line from rank 1")
     assert any(at >= printed_at and n > 4 for at, n in updates)
+    assert not _glued_to_the_bar(screen), _glued_to_the_bar(screen)  # rank 0's own line too
+
+
+def _glued_to_the_bar(screen: Screen) -> list[str]:
+    """Every stretch of a line that a bar state was drawn on and that other text followed before the line was
+    returned to or ended: what a user sees glued to the end of the bar."""
+    return [segment for segment in re.split(r"[\r\n]", screen.text)
+            if BAR.search(segment) and not segment.rstrip().endswith("]")]
+
+
+def test_the_job_s_prints_and_the_checkpointer_process_s_logs_go_above_the_bar(tmp_path):
+    """Note [lines above the bar] and Note [children's output]: rank 0's own print (a partial line, then its
+    end) and the INFO lines DCP's checkpointer processes log from every rank each get a line of their own
+    above the bar, and the bar goes on below them."""
+    steps = 10
+    screen = in_terminal("-m", "shardlang", "run", SLOW_JOB, "--nproc", "2", "--steps", str(steps),
+                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4",
+                         "--async-save", "process", columns=100)
+    assert screen.returncode == 0, screen.text
+    assert not _glued_to_the_bar(screen), _glued_to_the_bar(screen)
+    shown = [line.rsplit("\r", 1)[-1] for line in screen.text.split("\r\n")]  # each line as it stays on screen
+    assert shown.count("a line from rank 0 of the job's own") == 1, screen.text
+    logged = [line for line in shown if " - INFO - " in line]
+    assert any("[0] " in line for line in logged) and any("[rank 1] [1] " in line for line in logged), logged
+    assert all(not BAR.search(line) for line in logged), logged
+    updates = bar_updates(screen)
+    assert updates[-1][1] == steps and any(at > screen.first(r"a line from rank 0") and n > 6 for at, n in updates)
 
 
 def test_a_sized_terminal_gets_a_bar_of_its_width():

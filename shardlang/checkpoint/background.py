@@ -38,8 +38,11 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
+import multiprocessing
 import os
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -50,6 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CheckpointError, member_of
+from ..runtime.child_output import stderr_through_sys_stderr
 from . import store
 from .checksums import ChecksummingWriter
 from .planner import EntrySavePlanner
@@ -129,6 +133,9 @@ class Saves:
             pending.wait()
 
 
+STARTING_S = 30.0  # how long the first process save waits for DCP to start its process (it takes ms)
+
+
 def save_async(step, sd: dict, path: Path, checkpointer: Checkpointer, *, threads: int, publish) -> AsyncSave:
     """Stage ``sd`` and write it to ``path`` in the background (Note [async saves]); a collective.
 
@@ -142,11 +149,17 @@ def save_async(step, sd: dict, path: Path, checkpointer: Checkpointer, *, thread
         _checkpointer_process_environment(ctx)
     tmp, writer, planner = start_write(step, path, group, threads=threads,
                                        digests_file=checkpointer is Checkpointer.PROCESS)
+    starts = checkpointer is Checkpointer.PROCESS and not _checkpointer_process_running()
+    known = set(multiprocessing.active_children()) if starts else set()
+    # Note [children's output]: the checkpointer process the first save starts logs through this rank's stderr
     try:
-        upload = dcp.async_save(sd, storage_writer=writer, planner=planner,
-                                process_group=group, async_stager=saves.stager(checkpointer),
-                                async_checkpointer_type=AsyncCheckpointerType(checkpointer.value),
-                                no_dist=not ctx.has_process_group)
+        with stderr_through_sys_stderr() if starts else contextlib.nullcontext():
+            upload = dcp.async_save(sd, storage_writer=writer, planner=planner,
+                                    process_group=group, async_stager=saves.stager(checkpointer),
+                                    async_checkpointer_type=AsyncCheckpointerType(checkpointer.value),
+                                    no_dist=not ctx.has_process_group)
+            if starts:
+                _until_a_process_starts(known, upload)
     except Exception as exc:
         upload = concurrent.futures.Future()
         upload.set_exception(exc)
@@ -179,6 +192,23 @@ def single_process_is_intended(ctx) -> None:
     if not ctx.has_process_group:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning)
+
+
+def _checkpointer_process_running() -> bool:
+    from torch.distributed.checkpoint import _async_process_executor as executor  # its one handle on it
+
+    return executor._CHECKPOINT_PROCESS is not None
+
+
+def _until_a_process_starts(known: set, upload, timeout_s: float = STARTING_S) -> None:
+    """Wait until a child process other than ``known`` has started, or ``upload`` has ended: DCP starts its
+    checkpointer process on a thread of its own, after ``async_save`` returns, and the process must inherit
+    the pipe of Note [children's output]. Past ``timeout_s`` its lines go straight to the terminal instead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not upload.done():
+        if set(multiprocessing.active_children()) - known:
+            return
+        time.sleep(0.005)
 
 
 def stop_checkpointer_process() -> None:

@@ -129,6 +129,7 @@ class RunReporter:
         self._started = time.perf_counter()
         self._metrics = open(options.metrics, "w", buffering=1) if options.metrics and ctx.is_main else None  # noqa: SIM115
         self._bar = self._make_bar() if self._bar_shown and ctx.is_main else None
+        self._streams = self._above_the_bar() if self._bar is not None else None
         self.last: dict[str, Any] | None = None  # the last reported step's record (every rank)
 
     def step(self, k: int, loss: torch.Tensor, elapsed_s: float, batch: Any, note: str = "") -> None:
@@ -162,7 +163,13 @@ class RunReporter:
             self._print(line)
 
     def close(self) -> None:
-        """Close the bar and the metrics file."""
+        """Close the bar and the metrics file; the job's ``print`` and stderr write straight through again."""
+        if self._streams is not None:
+            for stream in (sys.stdout, sys.stderr):
+                if isinstance(stream, _AboveTheBar):
+                    stream.flush_line()
+            sys.stdout, sys.stderr = self._streams
+            self._streams = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -217,6 +224,14 @@ class RunReporter:
         except BrokenPipeError:  # the reader is gone (`shardlang run ... | head`): train on, print nothing more
             self._out = _silenced(self._out)
 
+    def _above_the_bar(self) -> tuple[Any, Any]:
+        """Note [lines above the bar]: while the bar is drawn, what rank 0 prints (the job's ``print``, warnings,
+        the lines of the processes it started: Note [children's output]) goes above the bar, a line at a time, as
+        tqdm's ``write`` puts it, not after the bar's text on its line. Returns the streams to put back."""
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _AboveTheBar(self._print, sys.stdout), _AboveTheBar(self._print, sys.stderr)
+        return streams
+
     def _make_bar(self):
         from tqdm import tqdm
 
@@ -229,6 +244,48 @@ class RunReporter:
                     nrows=None if sized else FALLBACK_ROWS,
                     mininterval=BAR_REFRESH_S,
                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+
+
+class _AboveTheBar(io.TextIOBase):
+    """A text stream whose complete lines go to ``print_line`` (the bar's write): Note [lines above the bar].
+
+    A partial line waits for its newline, or for `flush_line` when the bar closes: a line above the bar is
+    written whole. Example::
+
+        >>> lines = []; s = _AboveTheBar(lines.append, sys.stdout); _ = s.write("a\\nb"); _ = s.write("c\\n")
+        >>> lines
+        ['a', 'bc']
+    """
+
+    def __init__(self, print_line, inner: IO[str]):
+        super().__init__()
+        self._print_line = print_line
+        self._inner = inner
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._print_line(line)
+        return len(text)
+
+    def flush_line(self) -> None:
+        if self._partial:
+            self._print_line(self._partial)
+            self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return is_terminal(self._inner)
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._inner, "encoding", "utf-8")
 
 
 def _bar_text(record: dict[str, Any]) -> str:

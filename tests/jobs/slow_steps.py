@@ -1,7 +1,7 @@
 """Job file for the terminal tests: steps slow enough (a sleep in make_batch) that a live bar is seen live.
 
-Rank 1 prints one line of its own in step 5, as a user's debugging print would, so the
-tests can see where other ranks' lines go while rank 0's bar is drawn.
+Rank 1 prints one line of its own in step 5, and rank 0 one in step 7, as a user's debugging
+print would, so the tests can see where the ranks' lines go while rank 0's bar is drawn.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     time.sleep(STEP_S)
     if step == 4 and dist.is_initialized() and dist.get_rank() == 1:
         print("a line from rank 1", flush=True)
+    if step == 6 and (not dist.is_initialized() or dist.get_rank() == 0):
+        print("a line from rank 0", end="")  # a partial line, then its end: one line above the bar
+        print(" of the job's own", flush=True)
     g = torch.Generator().manual_seed(step)
     return torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
 
