@@ -1,8 +1,6 @@
 """``python -m shardlang``: the command line (see `shardlang.cli`)."""
 
-import sys
-
-from shardlang.cli import main
+from shardlang.cli import run_program
 
 if __name__ == "__main__":  # the launcher's spawned ranks import this module as __mp_main__: do not run again
-    sys.exit(main())
+    run_program()

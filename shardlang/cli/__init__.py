@@ -47,6 +47,7 @@ import argparse
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from ..compiler import VERBOSE_ENV, drop_no_action_warnings, verbose
 from ..errors import NonFiniteError, ShardlangError
@@ -56,7 +57,7 @@ from .check import TOLERANCES, max_relative_difference, tolerance
 
 COMMANDS = (run, plan, diff, check, tune, calibrate, export, data)  # in the order ``shardlang --help`` lists them
 
-__all__ = ["COMMANDS", "TOLERANCES", "failure_text", "main", "max_relative_difference", "tolerance"]
+__all__ = ["COMMANDS", "TOLERANCES", "failure_text", "main", "max_relative_difference", "run_program", "tolerance"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `shardlang plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def run_program() -> NoReturn:
+    """The program ``shardlang`` and ``python -m shardlang``: `main`, then the process's exit with its code.
+
+    A rank that torchrun started (``WORLD_SIZE`` set) leaves as the local launcher's ranks do
+    (Note [a rank's exit] in `shardlang.runtime.worker`); any other process exits as usual.
+    """
+    code = main()
+    if "WORLD_SIZE" in os.environ:
+        from ..runtime.worker import leave_rank
+
+        leave_rank(code)
+    sys.exit(code)
 
 
 class _Parser(argparse.ArgumentParser):

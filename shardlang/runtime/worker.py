@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import faulthandler
 import io
@@ -25,7 +26,7 @@ import sys
 import threading
 import traceback
 from multiprocessing import connection
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
@@ -112,13 +113,26 @@ def worker_main(rank: int, port: int, config: WorkerConfig, conn: connection.Con
             shutdown()
             generation = rest[0]
             ctx = _join(rank, port, generation, config, conn)
+    leave_rank(0)
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End this rank's process with ``code``, as every rank ends (Note [a rank's exit]).
+
+    Note [a rank's exit]: a rank, the local launcher's or torchrun's, stops the checkpointer process a save
+    started, destroys its process group, flushes its output and leaves with ``os._exit``, skipping the
+    interpreter's teardown: about a second with torch loaded, and where gloo's threads still hold work, a
+    teardown can abort the process (SIGABRT, "terminate called without an active exception") after a run
+    that succeeded, which torchrun reports as the rank failing. Jobs close their own files.
+    """
     checkpoints = sys.modules.get("shardlang.checkpoint.background")  # loaded only if a job saved
     if checkpoints is not None:
         checkpoints.stop_checkpointer_process()
     shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (about a second with torch loaded); jobs close their own files
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _setup_process(rank: int, config: WorkerConfig) -> None:
