@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from ..runtime.dist import DistContext
-from ..runtime.worker import is_terminal
+from ..runtime.worker import LineStream, is_terminal
 
 MIB = 2**20
 FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24  # the size assumed for a terminal that reports none
@@ -246,7 +246,7 @@ class RunReporter:
                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
 
-class _AboveTheBar(io.TextIOBase):
+class _AboveTheBar(LineStream):
     """A text stream whose complete lines go to ``print_line`` (the bar's write): Note [lines above the bar].
 
     A partial line waits for its newline, or for `flush_line` when the bar closes: a line above the bar is
@@ -258,34 +258,16 @@ class _AboveTheBar(io.TextIOBase):
     """
 
     def __init__(self, print_line, inner: IO[str]):
-        super().__init__()
+        super().__init__(inner)
         self._print_line = print_line
-        self._inner = inner
-        self._partial = ""
 
-    def write(self, text: str) -> int:
-        *lines, self._partial = (self._partial + text).split("\n")
+    def _write_lines(self, lines: list[str]) -> None:
         for line in lines:
             self._print_line(line)
-        return len(text)
 
     def flush_line(self) -> None:
-        if self._partial:
-            self._print_line(self._partial)
-            self._partial = ""
-
-    def writable(self) -> bool:
-        return True
-
-    def isatty(self) -> bool:
-        return is_terminal(self._inner)
-
-    def fileno(self) -> int:
-        return self._inner.fileno()
-
-    @property
-    def encoding(self) -> str:
-        return getattr(self._inner, "encoding", "utf-8")
+        if partial := self._take_partial():
+            self._print_line(partial)
 
 
 def _bar_text(record: dict[str, Any]) -> str:

@@ -194,7 +194,44 @@ def _limit_threads(threads: int) -> None:
         pass  # already fixed once parallel work has started; intra-op threads are what matter here
 
 
-class _PrefixedStream(io.TextIOBase):
+class LineStream(io.TextIOBase):
+    """A text stream over ``inner`` that hands on whole lines to `_write_lines`; a partial line waits for its
+    newline (`_take_partial` gives it up). The base of the ranks' prefixing streams and of the stream that
+    prints above rank 0's bar (`shardlang.cli.progress`)."""
+
+    def __init__(self, inner: Any):
+        super().__init__()
+        self.inner = inner
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        if lines:
+            self._write_lines(lines)
+        return len(text)
+
+    def _write_lines(self, lines: list[str]) -> None:
+        raise NotImplementedError
+
+    def _take_partial(self) -> str:
+        partial, self._partial = self._partial, ""
+        return partial
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return is_terminal(self.inner)
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.inner, "encoding", "utf-8")
+
+
+class _PrefixedStream(LineStream):
     """A text stream that writes whole lines, each starting with ``prefix``.
 
     A partial line waits for its newline (or an explicit flush), so that the lines
@@ -211,37 +248,17 @@ class _PrefixedStream(io.TextIOBase):
     """
 
     def __init__(self, inner: Any, prefix: str):
-        super().__init__()
-        self.inner = inner
-        self._prefix = prefix
-        self._partial = ""
+        super().__init__(inner)
         self._start = CLEAR_LINE + prefix if is_terminal(inner) else prefix
 
-    def write(self, text: str) -> int:
-        *lines, self._partial = (self._partial + text).split("\n")
-        if lines:
-            self.inner.write("".join(f"{self._start}{line}\n" for line in lines))
-            self.inner.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        if self._partial:
-            self.inner.write(f"{self._start}{self._partial}")
-            self._partial = ""
+    def _write_lines(self, lines: list[str]) -> None:
+        self.inner.write("".join(f"{self._start}{line}\n" for line in lines))
         self.inner.flush()
 
-    def writable(self) -> bool:
-        return True
-
-    def isatty(self) -> bool:
-        return self.inner.isatty()
-
-    def fileno(self) -> int:
-        return self.inner.fileno()
-
-    @property
-    def encoding(self) -> str:
-        return getattr(self.inner, "encoding", "utf-8")
+    def flush(self) -> None:
+        if partial := self._take_partial():
+            self.inner.write(f"{self._start}{partial}")
+        self.inner.flush()
 
 
 def is_terminal(stream: Any) -> bool:
