@@ -83,6 +83,35 @@ def local_shard(full: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
     return full.narrow(0, 0, full.shape[0] // group_size)
 
 
+def all_gather_dim(shard: torch.Tensor, dim: int, axis: str, group_size: int) -> torch.Tensor:
+    """Concatenate every rank's block along ``dim``: a tensor axis's Shard(dim) -> Replicate. Issue only."""
+    _abstract_only("all_gather_dim", shard, group_size)
+    if group_size == 1:
+        return shard
+    shape = list(shard.shape)
+    shape[dim] *= group_size
+    return shard.new_empty(shape)
+
+
+def local_block(full: torch.Tensor, dim: int, axis: str, group_size: int) -> torch.Tensor:
+    """This rank's block along ``dim`` of a replicated tensor (Replicate -> Shard(dim)), contiguous.
+
+    Not a collective: like `local_shard` it reads the rank's coordinate on
+    ``axis``, which `emit.bind` supplies; unbound it is coordinate 0's block.
+    """
+    if group_size == 1:
+        return full
+    return full.narrow(dim, 0, full.shape[dim] // group_size).contiguous()
+
+
+def local_partial(full: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
+    """A replicated tensor as a summand over ``axis`` (Replicate -> Partial): itself on coordinate 0, else zeros.
+
+    Not a collective; unbound it is coordinate 0's summand, ``full`` itself.
+    """
+    return full
+
+
 def wait(tensor: torch.Tensor) -> torch.Tensor:
     """Block until the collective that produced ``tensor`` is done; returns it."""
     return tensor
@@ -97,7 +126,8 @@ def free(*tensors: torch.Tensor) -> None:
     """
 
 
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_reduce_, all_gather_into)
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_reduce_, all_gather_into, all_gather_dim)
+COORDINATE_DEPENDENT = (local_shard, local_block, local_partial)  # what a rank computes depends on where it is
 EFFECTS = COLLECTIVES + (wait, free)
 
 
@@ -112,6 +142,10 @@ def group_of(node: torch.fx.Node) -> tuple[str, int] | None:
         return node.args[1], node.args[2]
     if node.target is all_gather_into:
         return node.args[2], node.args[3]
+    if node.target in (all_gather_dim, local_block):
+        return node.args[2], node.args[3]
+    if node.target is local_partial:
+        return node.args[1], node.args[2]
     return None
 
 

@@ -1,0 +1,96 @@
+"""Localize: the logical step and its `PlacementPlan` -> the graph every rank of the tensor axis runs.
+
+Each call runs on local values with the local arguments its strategy chose
+(local sizes for views and expands, local offsets for a flat's members), and
+each redistribution the plan records becomes nodes before the call, on the
+plan's axis:
+
+    Partial   -> Replicate   all_reduce, wait
+    Shard(d)  -> Replicate   all_gather_dim(d), wait
+    Replicate -> Shard(d)    local_block(d)                (this rank's block: no communication)
+    Replicate -> Partial     local_partial                 (itself on coordinate 0, zeros elsewhere)
+    Partial   -> Shard(d)    all_reduce, wait, local_block(d)
+    Shard(d)  -> Shard(e)    all_gather_dim(d), wait, local_block(e)
+    Shard(d)  -> Partial     all_gather_dim(d), wait, local_partial
+
+The result computes, on every rank, that rank's local value of every logical
+value, so the loss is the logical loss and each rank's flats hold their local
+blocks of the logical update. Its collectives carry `NodeTag`s of kind
+ALL_REDUCE / ALL_GATHER with ``detail`` naming the axis and the value, so the
+schedule lists them as it lists FSDP's.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from shardlang.errors import CompileError
+from ..ir import collectives
+from ..ir.tags import NodeKind, tag
+from ..ir.trace import phase_of
+from .placements import Partial, Replicate, Shard
+from .propagate import PlacementPlan, Redistribution
+
+__all__ = ["localize"]
+
+
+def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModule:
+    """The graph each rank of ``plan.axis`` runs: local arguments, and the plan's redistributions as nodes.
+
+    Example: ``local = localize(traced.graph_module, propagate(traced, seeds, "tp", 2))``.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    before: dict[str, list[Redistribution]] = {}
+    for r in plan.redistributions:
+        before.setdefault(r.consumer, []).append(r)
+    made: dict[tuple[str, object], fx.Node] = {}  # (value, placement) -> its redistributed node, made once
+    for node in graph_module.graph.nodes:
+        moved = {}
+        for r in before.get(node.name, []):
+            if (r.arg, r.target) not in made:
+                made[r.arg, r.target] = _redistribute(graph, env, node, r, plan)
+            moved[r.arg] = made[r.arg, r.target]
+        strategy = plan.strategies.get(node.name)
+        args, kwargs = node.args, node.kwargs
+        if strategy is not None and strategy.args is not None:
+            args = strategy.args
+        if strategy is not None and strategy.kwargs is not None:
+            kwargs = strategy.kwargs
+        mapped = graph.node_copy(node, lambda a: moved.get(a.name, env[a]))
+        mapped.args = fx.node.map_arg(args, lambda a: moved.get(a.name, env[a]))
+        mapped.kwargs = fx.node.map_arg(kwargs, lambda a: moved.get(a.name, env[a]))
+        mapped.meta.pop("val", None)  # the logical value's metadata; the local one is another shape
+        env[node] = mapped
+    local = fx.GraphModule(graph_module, graph)
+    local.graph.lint()
+    local.recompile()
+    return local
+
+
+def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, plan: PlacementPlan) -> fx.Node:
+    value = next(a for a in consumer.all_input_nodes if a.name == r.arg)
+    x = env[value]
+    axis, n, src, dst = plan.axis, plan.size, r.source, r.target
+    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.name}"
+    phase = phase_of(consumer)
+    if isinstance(src, Partial):
+        x = _collective(graph, collectives.all_reduce, (x, axis, n), NodeKind.ALL_REDUCE, phase, detail)
+        src = Replicate()
+    elif isinstance(src, Shard):
+        x = _collective(graph, collectives.all_gather_dim, (x, src.dim, axis, n), NodeKind.ALL_GATHER, phase,
+                        detail)
+        src = Replicate()
+    if not isinstance(src, Replicate):
+        raise CompileError(f"{consumer.name}: no redistribution from {r.source!r} to {r.target!r} on {axis!r}")
+    if isinstance(dst, Shard):
+        x = graph.call_function(collectives.local_block, (x, dst.dim, axis, n))
+    elif isinstance(dst, Partial):
+        x = graph.call_function(collectives.local_partial, (x, axis, n))
+    return x
+
+
+def _collective(graph: fx.Graph, target, args, kind: NodeKind, phase, detail: str) -> fx.Node:
+    issued = tag(graph.call_function(target, args), kind, None, phase, detail=detail)
+    wait_kind = NodeKind.WAIT_REDUCE if kind is NodeKind.ALL_REDUCE else NodeKind.WAIT_GATHER
+    return tag(graph.call_function(collectives.wait, (issued,)), wait_kind, None, phase, detail=detail)
