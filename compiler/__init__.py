@@ -24,7 +24,7 @@ from .analysis.plan_report import make_plan
 from .analysis.timeline import write_chrome_trace
 from .collection import collection_paused
 from .compile import CompiledStep, compile_step, with_buffer_pool
-from .config import Precision, Scheduling, StepConfig
+from .config import Precision, Scheduling, StepConfig, TensorAxis
 from .evaluate import compile_eval
 from .ir.collectives import local_shard
 from .ir.rng import has_random_ops
@@ -44,7 +44,7 @@ from .schedule.verify import verify
 
 __all__ = [
     # the entry points and what they take and give
-    "StepConfig", "Precision", "Scheduling", "Training", "ParamInfo", "Placement", "LayoutKind", "MeshShape", "WORLD",
+    "StepConfig", "TensorAxis", "Precision", "Scheduling", "Training", "ParamInfo", "Placement", "LayoutKind", "MeshShape", "WORLD",
     "compile_step", "with_buffer_pool", "compile_eval", "CompiledStep", "collection_paused", "TensorShape", "tied_parameters",
     "has_random_ops", "per_rank_seed",
     # flat parameters and optimizers: what a rank holds and updates

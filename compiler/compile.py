@@ -32,6 +32,7 @@ from .analysis.memory import backend_scratch, gloo_scratch, plan_memory
 from .analysis.pool_choice import slots_within_peak
 from .passes.assign_buffers import assign_buffers, assign_slots, candidate_lives, pools_buffers
 from .passes.contract import GraphProperty
+from .placement.step import tensor_parallel_step
 from .passes.pipeline import DEFAULT_PASSES, run_passes
 from .schedule.schedule import Schedule, read_schedule
 from .schedule.verify import verify, verify_structure
@@ -105,8 +106,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     optimizer = GroupedOptimizer.build(optimizer, config.training.group_overrides)
     if traced is None:
         trace = trace_step_replicated if _is_fake(model) else trace_step  # Note [replicated trace]: planning
-        traced = trace(model, loss_fn, flats, optimizer, example_batch, data_parallel_size=config.mesh.size,
+        logical = config.logical_flats() if config.tensor is not None else flats  # Note [tp-local flats]
+        traced = trace(model, loss_fn, logical, optimizer, example_batch, data_parallel_size=config.mesh.size,
                        training=config.training, buffers=buffers, tied=tied)
+        if config.tensor is not None:
+            traced = tensor_parallel_step(traced, config.tensor)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(config, flats, traced.inputs)
     check = structural_check if check_each_pass else None

@@ -35,7 +35,8 @@ from shardlang.spec.vocabulary import Recompute, Strategy
 from .ir.training import Training, split_by_group
 from .layout.bucket import bucket_flat_params
 from .layout.flat import FlatParam, build_flat_params
-from .layout.placement import MeshShape, ParamInfo
+from .layout.placement import WORLD, MeshShape, ParamInfo
+from .placement.placements import REPLICATE, Shard, local_shape
 from shardlang.spec.vocabulary import StepBackend
 
 
@@ -76,8 +77,46 @@ class Scheduling:
 
 
 @attrs.frozen
+class TensorAxis:
+    """A tensor axis of the mesh: its name, size, place among the axes, and each parameter's placement on it.
+
+    ``placements`` maps parameter names to `compiler.placement.Shard` or
+    `Replicate` (left out: replicated). ``index`` is the axis's position in
+    the whole mesh, whose other axes are `StepConfig.mesh` (the data axes).
+    Example: ``TensorAxis("tp", 2, 1, {"layers.0.attention.wq.weight": Shard(0)})``.
+    """
+
+    name: str
+    size: int
+    index: int
+    placements: Mapping[str, object] = attrs.field(converter=lambda p: dict(p or {}))
+
+    def placement_of(self, param: str):
+        return self.placements.get(param, REPLICATE)
+
+    def local_block(self, name: str, value, coordinate: int):
+        """The block of parameter ``name``'s logical ``value`` that the rank at ``coordinate`` on this axis holds."""
+        placement = self.placement_of(name)
+        if isinstance(placement, Shard):
+            return value.chunk(self.size, placement.dim)[coordinate]
+        return value
+
+    def local_param(self, info: ParamInfo) -> ParamInfo:
+        """``info`` with the shape a rank of this axis holds of it (its block under its placement)."""
+        placement = self.placement_of(info.name)
+        return attrs.evolve(info, shape=local_shape(info.shape, placement, self.size,
+                                                    f"parameter {info.name!r} on axis {self.name!r}"),
+                            tensor_sharded=isinstance(placement, Shard))
+
+
+@attrs.frozen
 class StepConfig:
-    """One compilation's configuration: the placements and every option, by concern (see the module)."""
+    """One compilation's configuration: the placements and every option, by concern (see the module).
+
+    With a ``tensor`` axis, ``params`` are the logical parameters, ``mesh``
+    holds the data axes only (what FSDP's passes shard and reduce over), and
+    the flat parameters hold each rank's tp-local blocks (Note [tp-local flats]).
+    """
 
     params: tuple[ParamInfo, ...] = attrs.field(converter=tuple)
     mesh: MeshShape
@@ -85,6 +124,47 @@ class StepConfig:
     scheduling: Scheduling = Scheduling()
     training: Training = Training()
     backend: StepBackend = StepBackend.EAGER
+    tensor: TensorAxis | None = None
+
+    @property
+    def world_mesh(self) -> MeshShape:
+        """Every axis the step runs over: ``mesh`` (the data axes), with the tensor axis at its place.
+
+        Example: data ``fsdp=2`` and ``TensorAxis("tp", 2, 1, ...)`` give ``fsdp=2 x tp=2``, rank 1 = (0, 1).
+        """
+        if self.tensor is None:
+            return self.mesh
+        axes = list(self.mesh.axes)
+        axes.insert(self.tensor.index, (self.tensor.name, self.tensor.size))
+        return MeshShape(tuple(axes))
+
+    def runtime_group_key(self, key: str) -> str:
+        """The `world_mesh` group of a graph's group key: the passes' "every rank" is every rank of the data axes."""
+        if self.tensor is None or key != WORLD:
+            return key
+        return self.world_mesh.group_key(self.mesh.names)
+
+    @property
+    def local_params(self) -> tuple[ParamInfo, ...]:
+        """The parameters as a rank of the tensor axis holds them (``params`` without one)."""
+        if self.tensor is None:
+            return self.params
+        return tuple(self.tensor.local_param(p) for p in self.params)
+
+    def logical_flats(self) -> tuple[FlatParam, ...]:
+        """`flats` with every member at its logical shape: what the logical step is traced with.
+
+        Note [tp-local flats]: the flats are built once, from the tp-local shapes,
+        so that bucketing and grouping see what a rank holds; the logical ones are
+        the same flats, member for member, at the logical shapes, so the trace's
+        members and the localized graph's are the same members in the same order.
+        """
+        flats = self.flats()
+        if self.tensor is None:
+            return flats
+        logical = {p.name: p for p in self.params}
+        return tuple(attrs.evolve(f, members=tuple(attrs.evolve(m, info=logical[m.info.name]) for m in f.members))
+                     for f in flats)
 
     def scheduled(self, **changes) -> StepConfig:
         """The same configuration with some `Scheduling` fields changed (what a budget search varies)."""
@@ -96,6 +176,6 @@ class StepConfig:
         Every parameter without a strategy gets ZeRO-3, or ZeRO-2 without ``reshard_after_forward``.
         """
         default = Strategy.ZERO3 if self.scheduling.reshard_after_forward else Strategy.ZERO2
-        flats = build_flat_params(self.params, self.mesh, param_dtype=self.precision.param_dtype,
+        flats = build_flat_params(self.local_params, self.mesh, param_dtype=self.precision.param_dtype,
                                   reduce_dtype=self.precision.reduce_dtype, default_strategy=default)
         return bucket_flat_params(split_by_group(flats, self.training), self.scheduling.bucket_bytes)

@@ -33,7 +33,8 @@ class CompileContext:
     inputs: tuple[GraphInput, ...]
     evaluate: bool = False
 
-    mesh = _of_config("mesh")
+    mesh = _of_config("mesh", "the data axes: what the passes shard and reduce over")
+    world_mesh = _of_config("world_mesh", "every axis, the tensor axis too: what the runtime binds")
     training = _of_config("training")
     backend = _of_config("backend", "what runs the bound graph; the cost model reads it (fusion)")
     reshard_after_forward = _of_config("scheduling.reshard_after_forward")

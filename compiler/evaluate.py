@@ -41,6 +41,7 @@ from .config import StepConfig
 from .schedule.schedule import read_schedule
 from .ir.shapes import propagate_shapes, remember_shapes
 from .ir.trace import trace_forward
+from .placement.step import tensor_parallel_step
 from .schedule.verify import verify
 
 EVAL_PASSES = (gather_parameters, reshard_after_forward, prefetch_gathers, propagate_shapes)
@@ -56,7 +57,9 @@ def compile_eval(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, .
     is a per-rank batch, whose shapes are compiled in. The result is a
     `CompiledStep` whose ``traced.output_spec`` rebuilds what ``fn`` returned.
     """
-    traced = trace_forward(model, fn, flats, example_batch)
+    traced = trace_forward(model, fn, _logical(flats, config), example_batch)
+    if config.tensor is not None:
+        traced = tensor_parallel_step(traced, config.tensor)
     ctx = CompileContext(config, flats, traced.inputs, evaluate=True)
     check = structural_check if check_each_pass else None
     remember_shapes(traced.graph_module)  # Note [incremental shapes]: only the gathers and their readers re-run
@@ -64,3 +67,11 @@ def compile_eval(model: torch.nn.Module, fn: Callable, flats: tuple[FlatParam, .
     schedule = read_schedule(gm, ctx)
     verify(schedule)
     return CompiledStep(gm, ctx, schedule, traced)
+
+
+def _logical(flats: tuple[FlatParam, ...], config: StepConfig) -> tuple[FlatParam, ...]:
+    """The step's flats at the members' logical shapes (Note [tp-local flats]); ``flats`` without a tensor axis."""
+    if config.tensor is None:
+        return flats
+    logical = {f.name: f for f in config.logical_flats()}
+    return tuple(logical[f.name] for f in flats)

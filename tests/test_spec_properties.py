@@ -32,7 +32,7 @@ else:  # pragma: no cover
 
 SEGMENTS = ["a", "b", "ln", "w", "0", "1", "10"]
 SIZES = [0, 1, 2, 3, 5, 7, 11, 13]
-AXES = ["fsdp", "dp", "tp"]
+AXES = ["fsdp", "dp", "rep"]  # data axes: "tp" names the tensor axis (tests/test_tensor_parallel.py)
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 names_st = st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=3).map(".".join)

@@ -54,9 +54,9 @@ def formula_bytes(schedule: Schedule) -> dict[str, int]:
     for name, row in formula_bytes_by_flat(schedule).items():
         for kind, n in row.items():
             total[kind] += n
-    for op in schedule.ops:  # collectives of no flat parameter: BatchNorm statistics, a gradient norm
-        if op.kind is OpKind.ALL_REDUCE and op.flat is None:
-            total["all_reduce"] += op.bytes
+    for op in schedule.ops:  # collectives of no flat parameter: BatchNorm statistics, a gradient norm,
+        if op.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER) and op.flat is None:  # a tensor axis's activations
+            total[op.kind.value] += op.bytes
     return total
 
 

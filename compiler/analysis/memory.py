@@ -77,7 +77,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from ..ir import collectives
-from ..ir.tags import NodeKind, is_kept, kind_of, node_tag
+from ..ir.tags import NodeKind, gathers_parameters, is_kept, kind_of, node_tag
 from ..layout.member_updates import member_gradients_of, update_members_
 from ..schedule.schedule import Schedule
 from ..schedule.schedule_format import human_bytes
@@ -492,7 +492,7 @@ _GRADIENT_SHARD_KINDS = (NodeKind.REDUCE_SCATTER, NodeKind.ALL_REDUCE, NodeKind.
 def _node_category(node: fx.Node) -> Category:
     tag = node_tag(node)
     kind = tag.kind if tag is not None else None
-    if kind in (NodeKind.ALL_GATHER, NodeKind.WAIT_GATHER, NodeKind.UNPACK):
+    if kind is NodeKind.UNPACK or gathers_parameters(node):
         return Category.GATHERED
     if kind is NodeKind.PACK:
         return Category.GRADIENT_BUFFERS

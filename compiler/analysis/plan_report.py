@@ -129,12 +129,20 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
     r = sum(flats[name].gathered_bytes for name in regathered if name in flats)
     replicated = sum(f.numel * (f.reduce_element_size or f.element_size) for f in schedule.flats
                      if f not in sharded and f.trainable)
+    tensor = schedule.tensor_axis[0] if schedule.tensor_axis else None
+    on_tensor = {kind: sum(op.bytes for op in schedule.ops if op.kind is kind and op.flat is None
+                           and tensor is not None and op.group == tensor)
+                 for kind in (OpKind.ALL_GATHER, OpKind.ALL_REDUCE)}
     other = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
+    other -= on_tensor[OpKind.ALL_REDUCE]
     expressions = {
         "all_gather": f"M + R = {human_bytes(m)} + {human_bytes(r)} ({len(regathered)} re-gathered for backward)",
         "reduce_scatter": f"M_trainable = {human_bytes(m_trainable)}",
         "all_reduce": f"replicated {human_bytes(replicated)} + statistics and norms {human_bytes(other)}",
     }
+    if tensor is not None:  # the tensor axis's redistributions of activations and gradients
+        expressions["all_gather"] += f" + {tensor} activations {human_bytes(on_tensor[OpKind.ALL_GATHER])}"
+        expressions["all_reduce"] += f" + {tensor} activations {human_bytes(on_tensor[OpKind.ALL_REDUCE])}"
     if schedule.is_evaluation:  # forward only: each gathered unit once, nothing reduced
         gathered = sum(f.gathered_bytes for f in sharded if f.strategy.shards_parameters)
         expressions = {"all_gather": f"M = {human_bytes(gathered)} (each unit once, forward only)",

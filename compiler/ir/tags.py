@@ -131,6 +131,16 @@ def writes_into_slot(node: fx.Node) -> bool:
     return any(kind_of(a) is NodeKind.SLOT for a in node.all_input_nodes)
 
 
+def gathers_parameters(node: fx.Node) -> bool:
+    """Whether ``node`` issues or waits for a gather of a flat parameter (FSDP's), not of an activation.
+
+    A tensor axis's redistributions (`compiler.placement.localize`) gather
+    activations: they carry no flat, are never freed, and no prefetch moves them.
+    """
+    t = node.meta.get("sl")
+    return t is not None and t.flat is not None and t.kind in (NodeKind.ALL_GATHER, NodeKind.WAIT_GATHER)
+
+
 def is_inserted(node: fx.Node) -> bool:
     """Whether a pass inserted ``node`` (it carries a `NodeTag`)."""
     return "sl" in node.meta

@@ -109,6 +109,7 @@ class TracedStep:
     optimizer: GroupedOptimizer | None = None  # the optimizer of each parameter group
     output_spec: pytree.TreeSpec | None = None  # evaluation graphs: the structure of what ``fn`` returned
     replicated_from: int | None = None  # the layers traced, when the graph replicates them (Note [replicated trace])
+    placements: object = None  # `compiler.placement.PlacementPlan`: how a tensor axis placed the logical step
 
 
 def phase_of(node: torch.fx.Node) -> Phase | None:

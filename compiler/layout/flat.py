@@ -122,6 +122,7 @@ class FlatParam:
     reduce_dtype: torch.dtype | None = None  # mixed precision: reduce gradients in this dtype
     strategy: Strategy = Strategy.ZERO3  # DDP exactly when axis is None
     layout: FlatLayout = FlatLayout.PIECES  # Note [whole-flat shards]; ZERO1 and DDP lie whole whatever it says
+    tensor_sharded: bool = False  # its members are blocks of a tensor axis (each tensor rank holds other values)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -198,6 +199,7 @@ def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape, param_dtyp
         if axis is None:
             strategy = Strategy.DDP
         suffix = "#replicated" if not p.placement.is_sharded and (p.strategy or default_strategy) is not Strategy.DDP else ""
+        suffix += "#tp" if p.tensor_sharded else ""  # Note [norm over shards]: a flat is split over tp or not
         key = (p.unit, axis, p.trainable, p.dtype, strategy, suffix)
         groups.setdefault(key, []).append(p)
     flats = []
@@ -222,6 +224,7 @@ def build_flat_params(params: tuple[ParamInfo, ...], mesh: MeshShape, param_dtyp
                 reduce_dtype=reduce_dtype if dtype.is_floating_point else None,
                 strategy=strategy,
                 layout=layout,
+                tensor_sharded=suffix.endswith("#tp"),
             )
         )
     return _unique_names(flats)

@@ -58,6 +58,7 @@ class ParamInfo:
     unit: str
     placement: Placement
     strategy: Strategy | None = None
+    tensor_sharded: bool = False  # split over a tensor axis: ``shape`` is then this tensor rank's block
 
     @property
     def numel(self) -> int:

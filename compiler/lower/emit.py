@@ -50,7 +50,8 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
 
     A group key is a mesh axis (``"fsdp"``), every axis (``"*"``), or several
     axes joined by ``+`` (`MeshShape.group_key`). ``coordinates`` (axis ->
-    this rank's coordinate) places `collectives.local_shard`. Collectives over a
+    this rank's coordinate) places `collectives.local_shard`, `local_block` and
+    `local_partial`. Collectives over a
     group of one rank stay the identities they are and need no group. With
     ``group_names=None`` (world size 1) the graph is returned unchanged.
     ``reduce_scatter_as_all_to_all`` (gloo) lowers reduce-scatters as Note
@@ -98,6 +99,22 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             # Note [reductions in place] (`passes.reduce_in_place`) chose which ones reduce their buffer in place.
             op = _c10d.all_reduce_.default if node.target is collectives.all_reduce_ else _c10d.all_reduce.default
             node.target, node.args = op, (buffer, "sum", _group(group_names, axis))
+        elif node.target is collectives.all_gather_dim:
+            _gather_along_dim(bound.graph, node, _group(group_names, node.args[2]))
+        elif node.target is collectives.local_block:
+            full, dim, axis, size = node.args
+            block = full.meta["val"].shape[dim] // size
+            start = _coordinate(coordinates, axis) * block
+            with bound.graph.inserting_before(node):
+                narrowed = bound.graph.call_function(torch.ops.aten.narrow.default, (full, dim, start, block))
+            node.target, node.args = torch.ops.aten.clone.default, (narrowed,)
+            node.kwargs = {"memory_format": torch.contiguous_format}
+        elif node.target is collectives.local_partial:
+            full, axis, _size = node.args
+            if _coordinate(coordinates, axis) == 0:
+                node.target, node.args = torch.ops.aten.alias.default, (full,)
+            else:
+                node.target, node.args = torch.ops.aten.zeros_like.default, (full,)
         elif node.target is collectives.local_shard:
             full, axis, size = node.args
             coordinate = _coordinate(coordinates, axis)
@@ -112,6 +129,28 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     bound.graph.lint()
     bound.recompile()
     return bound
+
+
+def _gather_along_dim(graph: fx.Graph, node: fx.Node, group: str) -> None:
+    """``all_gather_dim(x, d)`` as c10d's gather along dim 0: move dim d first, gather, and move it back after the wait.
+
+    Blocks concatenated along the first dim of ``x.movedim(d, 0)`` are blocks along ``d``.
+    """
+    shard, dim, _axis, size = node.args
+    wait = next(u for u in node.users if u.target is collectives.wait)
+    if dim != 0:
+        with graph.inserting_before(node):
+            moved = graph.call_function(torch.ops.aten.movedim.int, (shard, dim, 0))
+            shard = graph.call_function(torch.ops.aten.clone.default, (moved,),
+                                        {"memory_format": torch.contiguous_format})
+    node.target, node.args = _c10d.all_gather_into_tensor.default, (shard, size, group)
+    if dim != 0:
+        with graph.inserting_after(wait):
+            back = graph.call_function(torch.ops.aten.movedim.int, (wait, 0, dim))
+        with graph.inserting_after(back):
+            whole = graph.call_function(torch.ops.aten.clone.default, (back,),
+                                        {"memory_format": torch.contiguous_format})
+        wait.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not back)
 
 
 def _keep_reduction_buffers(graph: fx.Graph) -> None:
@@ -183,7 +222,7 @@ def group_keys(gm: fx.GraphModule) -> tuple[str, ...]:
     keys: dict[str, None] = {}
     for node in gm.graph.nodes:
         group = collectives.group_of(node)
-        if group is not None and group[1] > 1 and node.target is not collectives.local_shard:
+        if group is not None and group[1] > 1 and node.target not in collectives.COORDINATE_DEPENDENT:
             keys[group[0]] = None
     return tuple(keys)
 

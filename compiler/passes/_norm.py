@@ -10,6 +10,9 @@ replicated one. A piece is held by ``mesh.size / flat.world`` ranks (1 for a
 sharded flat on a 1-D mesh; every rank for a replicated one; the replicas on a
 hybrid mesh), so each rank's sum of squares for a flat is multiplied by
 ``flat.world / mesh.size`` before the all-reduce: every value then counts once.
+With a tensor axis of ``tp`` ranks the sums are then all-reduced over it too; a
+flat replicated over it (no member split there: flats never mix the two,
+`build_flat_params`) is the same on every tensor rank, so it counts ``1/tp``.
 Frozen parameters have no gradient and count for nothing, as in torch.
 """
 
@@ -44,6 +47,9 @@ def global_norm(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
         square = _op(graph, _aten.mul.Tensor, grad, grad)
         local = _op(graph, _aten.sum.dim_IntList, square, [0], False, dtype=torch.float64)
         share = flat.world / ctx.mesh.size if flat.sharded else 1 / ctx.mesh.size  # Note [norm over shards]
+        tensor = ctx.config.tensor
+        if tensor is not None and not flat.tensor_sharded:
+            share /= tensor.size
         if share != 1:
             local = _op(graph, _aten.mul.Tensor, local, share)
         locals_.append(local)
@@ -57,6 +63,11 @@ def global_norm(graph: fx.Graph, ctx: CompileContext, grads: dict[str, fx.Node],
     issued = tag(graph.call_function(collectives.all_reduce, (buffer, WORLD, ctx.mesh.size)), NodeKind.ALL_REDUCE, None,
                  Phase.OPTIMIZER, detail="gradient norm")
     summed = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_REDUCE, None, Phase.OPTIMIZER)
+    if ctx.config.tensor is not None:  # and over the tensor axis, whose ranks hold other blocks
+        axis = ctx.config.tensor
+        issued = tag(graph.call_function(collectives.all_reduce, (summed, axis.name, axis.size)), NodeKind.ALL_REDUCE,
+                     None, Phase.OPTIMIZER, detail=f"gradient norm over {axis.name}")
+        summed = tag(graph.call_function(collectives.wait, (issued,)), NodeKind.WAIT_REDUCE, None, Phase.OPTIMIZER)
     total = _op(graph, _aten.sum.default, summed) if per_flat else _op(graph, _aten.view.default, summed, [])
     norm = tag(graph.call_function(_aten.sqrt.default, (total,)), NodeKind.CLIP, None, Phase.OPTIMIZER, norm=True,
                flats=tuple(grads) if per_flat else ())

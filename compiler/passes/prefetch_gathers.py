@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..context import CompileContext
 from ..ir.graph_utils import positions
-from ..ir.tags import NodeKind, kind_of
+from ..ir.tags import NodeKind, gathers_parameters, kind_of
 from ..ir.trace import Phase, phase_of
 from .contract import GraphProperty, graph_pass
 
@@ -32,7 +32,8 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.prefetch <= 0:
         return gm
     for phase in (Phase.FORWARD, Phase.BACKWARD):
-        waits = [n for n in gm.graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER and phase_of(n) is phase]
+        waits = [n for n in gm.graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER and gathers_parameters(n)
+                 and phase_of(n) is phase]
         order = positions(gm.graph)
         for j in range(1, len(waits)):
             # Gather j is issued right after the wait of gather j - d (the first one's, for j <= d).

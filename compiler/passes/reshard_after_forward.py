@@ -37,7 +37,7 @@ import torch.fx as fx
 from ..ir import collectives
 from ..context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies, first_user, last_user, phase_is, positions
-from ..ir.tags import NodeKind, kind_of, node_tag, set_phase, tag
+from ..ir.tags import NodeKind, gathers_parameters, kind_of, node_tag, set_phase, tag
 from shardlang.spec.vocabulary import Strategy
 from ..ir.trace import Phase, phase_of
 from .contract import GraphProperty, graph_pass
@@ -61,7 +61,7 @@ def reshard_after_forward(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
 
 
 def _gathered(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER]
+    return [n for n in graph.nodes if kind_of(n) is NodeKind.WAIT_GATHER and gathers_parameters(n)]
 
 
 def _regather_for_backward(graph: fx.Graph, wait: fx.Node, closure: list[fx.Node], flat: str) -> fx.Node | None:
@@ -104,7 +104,7 @@ def _gathers_between(order, start: fx.Node, end: fx.Node) -> bool:
         return False
     node = start.next
     while node is not end and node.op != "root":
-        if kind_of(node) is NodeKind.ALL_GATHER:
+        if kind_of(node) is NodeKind.ALL_GATHER and gathers_parameters(node):
             return True
         node = node.next
     return False

@@ -22,13 +22,19 @@ schedule lists them as it lists FSDP's.
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from shardlang.errors import CompileError
 from ..ir import collectives
+from ..ir.provenance import site_of_node
 from ..ir.tags import NodeKind, tag
 from ..ir.trace import phase_of
-from .placements import Partial, Replicate, Shard
+from .placements import Packed, Partial, Replicate, Shard
 from .propagate import PlacementPlan, Redistribution
 
 __all__ = ["localize"]
@@ -65,14 +71,30 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
     local = fx.GraphModule(graph_module, graph)
     local.graph.lint()
     local.recompile()
+    _local_values(local, graph_module, plan)
     return local
+
+
+def _local_values(local: fx.GraphModule, logical: fx.GraphModule, plan: PlacementPlan) -> None:
+    """Give every node of ``local`` its fake local value (``meta["val"]``), as the passes expect of a trace."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = []
+    with mode:  # fake tensors made in the mode: no storage, whatever the size
+        for node in logical.graph.find_nodes(op="placeholder"):
+            val = node.meta["val"]
+            placement = plan.placements[node.name]
+            shape = (plan.flats[placement.flat].local_numel,) if isinstance(placement, Packed) else val.shape
+            fake.append(torch.empty(shape, dtype=val.dtype, device=val.device))
+    FakeTensorProp(local, mode).propagate_dont_convert_inputs(*fake)
 
 
 def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, plan: PlacementPlan) -> fx.Node:
     value = next(a for a in consumer.all_input_nodes if a.name == r.arg)
     x = env[value]
     axis, n, src, dst = plan.axis, plan.size, r.source, r.target
-    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.name}"
+    site = site_of_node(consumer)
+    at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
+    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{at}"
     phase = phase_of(consumer)
     if isinstance(src, Partial):
         x = _collective(graph, collectives.all_reduce, (x, axis, n), NodeKind.ALL_REDUCE, phase, detail)

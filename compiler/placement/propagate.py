@@ -200,6 +200,8 @@ class _Propagation:
             flat = tag_of(node, "grad_flat")
             if flat and node.target is aten.cat.default and flat in self.flats:
                 for view, slot in zip(node.args[0], self.flats[flat].members):
+                    while view.target is aten._to_copy.default:  # mixed precision: cast after flattening
+                        view = view.args[0]
                     found[view.name] = slot
         return found
 

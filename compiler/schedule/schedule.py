@@ -167,6 +167,7 @@ class Schedule:
     flats: tuple[FlatSummary, ...]
     ops: tuple[ScheduleOp, ...]
     options: dict = attrs.field(factory=dict)
+    tensor_axis: tuple[str, int] | None = None  # (name, size) of the mesh's tensor axis; ``mesh`` is the data axes
 
     @property
     def summary(self) -> Summary:
@@ -216,6 +217,7 @@ class Schedule:
         return {
             "world_size": self.world_size,
             "mesh": dict(self.mesh),
+            **({"tensor_axis": dict([self.tensor_axis])} if self.tensor_axis else {}),
             "options": dict(self.options),
             "flats": [attrs.asdict(f) | {"strategy": f.strategy.value, "padded_bytes": f.padded_bytes}
                       for f in self.flats],
@@ -292,6 +294,7 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         flats=tuple(flat_summary(f) for f in ctx.flats),
         ops=tuple(builder.ops),
         options=_options(ctx),
+        tensor_axis=(ctx.config.tensor.name, ctx.config.tensor.size) if ctx.config.tensor is not None else None,
     )
 
 
@@ -377,7 +380,7 @@ class _Builder:
             self.close_segment()
             self.add(OpKind.WAIT, phase, unit=self.unit_of(flat), flat=flat, handle=self.handles.get(node.args[0]),
                      node_names=(node.name,))
-            if kind is NodeKind.WAIT_GATHER:
+            if kind is NodeKind.WAIT_GATHER and flat is not None:
                 for alias in alias_closure(node):
                     self.gathered[alias] = flat
         elif kind is NodeKind.FREE:

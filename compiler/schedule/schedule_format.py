@@ -32,10 +32,14 @@ def format_summary(schedule: Schedule) -> str:
     """A one-screen summary: mesh, flat parameters, collectives and bytes per rank per step."""
     s = schedule.summary
     mesh = " x ".join(f"{name}={size}" for name, size in schedule.mesh)
+    world = schedule.world_size
+    if schedule.tensor_axis is not None:  # the data axes, and the tensor axis the step runs over too
+        name, size = schedule.tensor_axis
+        mesh, world = f"{mesh} x {name}={size}, {name} a tensor axis", world * size
     sharded = [f for f in schedule.flats if f.sharded]
     title = "evaluation schedule (forward only)" if schedule.is_evaluation else "schedule"
     lines = [
-        f"{title}: world {schedule.world_size} (mesh {mesh}), {len(schedule.ops)} ops, "
+        f"{title}: world {world} (mesh {mesh}), {len(schedule.ops)} ops, "
         f"{len(schedule.flats)} flat parameters ({len(sharded)} sharded)",
         f"options: {', '.join(f'{k}={v}' for k, v in schedule.options.items())}",
         f"{'collective':<16}{'count':>7}{'payload/rank':>16}{'on the wire':>16}",
@@ -75,7 +79,7 @@ def _unit(unit: str | None) -> str:
 
 def _detail(op) -> str:
     if op.kind in COLLECTIVE_KINDS:
-        return f"h{op.handle} {op.flat}" + (f" ({op.detail})" if op.detail else "")
+        return f"h{op.handle}" + (f" {op.flat}" if op.flat else "") + (f" ({op.detail})" if op.detail else "")
     if op.kind is OpKind.WAIT:
         return f"h{op.handle}"
     if op.kind is OpKind.COMPUTE:

@@ -80,8 +80,8 @@ def _check_waits(schedule: Schedule) -> None:
 def _check_gather_lifetimes(schedule: Schedule) -> None:
     live: dict[str, int] = {}  # flat -> index of the wait that made it live
     updates = {f.name for f in schedule.flats if f.strategy is Strategy.ZERO1}  # gathered into storage
-    gathers: dict[int, str] = {op.handle: op.flat for op in schedule.ops
-                               if op.kind is OpKind.ALL_GATHER and op.flat not in updates}
+    gathers: dict[int, str] = {op.handle: op.flat for op in schedule.ops  # a tensor axis's gathers: activations
+                               if op.kind is OpKind.ALL_GATHER and op.flat is not None and op.flat not in updates}
     for op in schedule.ops:
         if op.kind is OpKind.WAIT and op.handle in gathers:
             if op.flat in live:
@@ -108,6 +108,8 @@ def _check_forward_only(schedule: Schedule) -> None:
             raise ScheduleError(f"op {op.index} ({op.kind.value}) of an evaluation schedule is in phase "
                                 f"{op.phase.value}; "
                                 "evaluation is forward only")
+        if op.flat is None and op.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER):
+            continue  # a tensor axis's redistribution of an activation
         if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.OPTIMIZER):
             raise ScheduleError(f"op {op.index} of an evaluation schedule is a {op.kind.value}"
                                 + (f" of {op.flat}" if op.flat else "") + "; evaluation reduces and updates nothing")

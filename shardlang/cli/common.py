@@ -30,7 +30,7 @@ def load_checked(path: str, world: int, spec_file: str | None = None) -> Job:
 def split_for_rank(job: Job, batch, world: int, rank: int, step: int, maker: str = "make_batch"):
     """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks; an error names the job and the step."""
     try:
-        return split_batch(batch, world, rank)
+        return split_batch(batch, *job.spec.mesh.batch_split(world, rank))
     except ShardlangRuntimeError as exc:
         raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}({step}): {exc}") from exc
 

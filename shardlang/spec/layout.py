@@ -161,6 +161,14 @@ def layout_from_dict(d: Mapping[str, object], where: str, extra_keys: Sequence[s
         shard('fsdp', dim=0)
     """
     valid = [*extra_keys, *_LAYOUT_KEYS]
+    if isinstance(d.get("layout"), list):  # per-axis layouts: layout = [{layout = "shard", axis = "tp", dim = 0}, ...]
+        extra = [k for k in d if k not in (*extra_keys, "layout")]
+        if extra:
+            raise SpecError(f"{where}: key {extra[0]!r} beside a list of layouts; put it in one of the list's tables")
+        if not d["layout"] or not all(isinstance(one, Mapping) for one in d["layout"]):
+            raise SpecError(f"{where}: layout is {d['layout']!r}; a list of layouts holds tables such as "
+                            "{layout = 'shard', axis = 'tp', dim = 0}")
+        return tuple(layout_from_dict(one, f"{where}.layout[{i}]") for i, one in enumerate(d["layout"]))
     for key in d:
         if key not in valid:
             raise SpecError(f"{where}: unknown key {key!r}; valid keys are {valid}")

@@ -21,6 +21,7 @@ import attrs
 
 from shardlang.errors import SpecError
 from ..compiler import MeshShape
+from .tensor_axes import is_tensor_axis
 
 __all__ = ["REST", "Mesh", "check_world_size"]
 
@@ -156,6 +157,25 @@ class Mesh:
             )
         filled = {name: (world_size // known if size == REST else size) for name, size in self.axes}
         return Mesh(**filled)
+
+    def batch_split(self, world_size: int, rank: int) -> tuple[int, int]:
+        """``(parts, index)``: the global batch splits into ``parts`` equal runs of rows and ``rank`` takes run ``index``.
+
+        Every axis splits the batch except tensor axes (`shardlang.spec.tensor_axes`): ranks that
+        differ only in their ``tp`` coordinate take the same rows. Example::
+
+            >>> Mesh(fsdp=-1, tp=2).batch_split(4, 3)
+            (2, 1)
+            >>> Mesh(fsdp=-1).batch_split(4, 3)
+            (4, 3)
+        """
+        bound = self.bind(world_size)
+        coordinate = bound.shape.coordinate(rank)
+        parts, index = 1, 0
+        for name, size in bound.axes:
+            if not is_tensor_axis(name):
+                parts, index = parts * size, index * size + coordinate[name]
+        return parts, index
 
     def _require_bound(self, what: str) -> None:
         if not self.is_bound:

@@ -27,8 +27,11 @@ from shardlang.spec.patterns import PatternRule, TableKind, first_match, pattern
 __all__ = ["Rule", "first_match", "rule_from_dict", "to_rules"]
 
 
-def _checked_layout(layout: object, where: str) -> Layout:
-    """Return ``layout`` if it is a `Shard` or `Replicate`, else raise `SpecError` naming ``where``."""
+def _checked_layout(layout: object, where: str) -> Layout | tuple[Layout, ...]:
+    """Return ``layout`` if it is a `Shard`, a `Replicate` or a tuple of them (one per axis), else raise
+    `SpecError` naming ``where``. A list is taken as the tuple it stands for."""
+    if isinstance(layout, (tuple, list)) and layout:
+        return tuple(_checked_layout(one, f"{where}[{i}]") for i, one in enumerate(layout))
     if not isinstance(layout, (Shard, Replicate)):
         hint = ""
         if layout is replicate:
@@ -36,7 +39,8 @@ def _checked_layout(layout: object, where: str) -> Layout:
         elif layout is shard:
             hint = " (the function, not called: write shard('fsdp'))"
         raise SpecError(
-            f"{where}: layout is {layout!r}{hint}; a layout is shard(axis), shard(axis, dim=d) or replicate()"
+            f"{where}: layout is {layout!r}{hint}; a layout is shard(axis), shard(axis, dim=d), replicate(), "
+            "or a tuple of per-axis layouts such as (shard('tp', dim=0), shard('fsdp'))"
         )
     return layout
 
@@ -65,13 +69,15 @@ class Rule(PatternRule):
 
     table = RULES
     pattern: str = pattern_field()
-    layout: Layout = attrs.field(validator=lambda _i, _a, layout: _checked_layout(layout, "Rule"))
+    layout: Layout | tuple[Layout, ...] = attrs.field(converter=lambda layout: _checked_layout(layout, "Rule"))
 
     def __repr__(self) -> str:
         return f"Rule({self.pattern!r}, {self.layout!r})"
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'pattern': '*', 'layout': 'shard', 'axis': 'fsdp'}``."""
+        if isinstance(self.layout, tuple):
+            return {"pattern": self.pattern, "layout": [one.to_dict() for one in self.layout]}
         return {"pattern": self.pattern, **self.layout.to_dict()}
 
 

@@ -27,10 +27,12 @@ import attrs
 from torch import nn
 
 from shardlang.errors import SpecError
-from ..compiler import ParamInfo
+from ..compiler import MeshShape, ParamInfo, TensorAxis
+from ..compiler.placement.placements import Shard as TensorShard
 from shardlang.spec.vocabulary import Recompute, Strategy
 from shardlang.spec.layout import Shard, shard
 from shardlang.spec.mesh import Mesh, check_world_size
+from shardlang.spec.tensor_axes import default_data_axis, is_tensor_axis, split_layout
 from shardlang.spec.options import Options, options_from_dict
 from shardlang.spec.resolved import ResolvedSpec
 from shardlang.spec.toml_text import to_toml_text
@@ -55,12 +57,13 @@ def _check_mesh(_instance: object, _attribute: object, mesh: object) -> None:
 
 def _check_rule_axes(spec: Spec, _attribute: object, rules: tuple[Rule, ...] | None) -> None:
     for i, rule in enumerate(rules or ()):
-        layout = rule.layout
-        if isinstance(layout, Shard) and layout.axis not in spec.mesh.axis_names:
-            raise SpecError(
-                f"rules[{i}] = {rule!r} shards over axis {layout.axis!r}, which is not an axis of "
-                f"{spec.mesh!r}; valid axes are {list(spec.mesh.axis_names)}"
-            )
+        for layout in rule.layout if isinstance(rule.layout, tuple) else (rule.layout,):
+            if isinstance(layout, Shard) and layout.axis not in spec.mesh.axis_names:
+                raise SpecError(
+                    f"rules[{i}] = {rule!r} shards over axis {layout.axis!r}, which is not an axis of "
+                    f"{spec.mesh!r}; valid axes are {list(spec.mesh.axis_names)}"
+                )
+        split_layout(rule.layout, spec.mesh.axis_names, f"rules[{i}] = {rule!r}")
 
 
 def _check_options(_instance: object, _attribute: object, options: object) -> None:
@@ -105,7 +108,7 @@ class Spec:
 
     def __attrs_post_init__(self) -> None:
         if self.rules is None:
-            object.__setattr__(self, "rules", (Rule("*", shard(self.mesh.axis_names[-1])),))
+            object.__setattr__(self, "rules", (Rule("*", shard(default_data_axis(self.mesh.axis_names))),))
 
     # -- plain-dict and TOML forms ------------------------------------------------------------
 
@@ -223,7 +226,8 @@ class Spec:
             raise SpecError(f"{self.source}: resolve() needs a torch.nn.Module, got {type(model).__name__}")
         world_size = check_world_size(world_size, f"{self.source}: world size")
         with _prefixed(self.source):
-            mesh = self.mesh.bind(world_size).shape
+            whole = self.mesh.bind(world_size).shape
+            mesh = MeshShape(tuple((a, s) for a, s in whole.axes if not is_tensor_axis(a)))
             named = list(model.named_parameters())
             if not named:
                 raise SpecError(f"the model ({type(model).__name__}) has no parameters, so there is nothing to shard "
@@ -234,10 +238,13 @@ class Spec:
             units = frozenset(find_units(model, self.units))
             strategy_of = self._unit_strategies(units)
             recompute = self._unit_recompute(units)
-            params, failures = [], []
+            params, failures, tensor = [], [], {}
             for (name, p), i in zip(named, winners):
                 try:
-                    placement = self.rules[i].layout.to_placement(tuple(p.shape), name)  # type: ignore[index]
+                    data, on_tensor = split_layout(self.rules[i].layout, whole.names, f"rules[{i}]")  # type: ignore
+                    placement = data.to_placement(tuple(p.shape), name)
+                    for axis, layout in on_tensor.items():
+                        tensor[name] = TensorShard(layout.to_placement(tuple(p.shape), name).dim)
                 except SpecError as e:
                     failures.append((i, name, e))
                     continue
@@ -249,7 +256,15 @@ class Spec:
                 params.append(info)
             self._check_no_failed_placements(failures)
             group_of = training.assign_groups([(name, p.requires_grad) for name, p in named], self.param_groups)
+        tensor_axes = [(k, (a, s)) for k, (a, s) in enumerate(whole.axes) if is_tensor_axis(a)]
+        if len(tensor_axes) > 1:
+            raise SpecError(f"{self.source}: {self.mesh!r} has {len(tensor_axes)} tensor axes; one is supported")
+        axis = (TensorAxis(tensor_axes[0][1][0], tensor_axes[0][1][1], tensor_axes[0][0], tensor)
+                if tensor_axes and tensor_axes[0][1][1] > 1 else None)
+        if tensor_axes and axis is None:
+            mesh = whole  # a tensor axis of one rank splits nothing: the data axes are the whole mesh
         return ResolvedSpec(mesh=mesh, params=tuple(params), options=self.options, param_groups=self.param_groups,
+                            tensor=axis,
                             group_of=group_of, recompute={u: p for u, p in recompute.items() if u in
                                                           {info.unit for info in params}})
 

@@ -17,6 +17,8 @@ def _toml_value(value: object) -> str:
         return f'"{escaped}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: a rule's per-axis layouts
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no TOML form for {value!r}")  # internal: to_dict gives only the types above
 
 

@@ -54,8 +54,8 @@ import torch
 from torch import nn
 
 from ..compiler import CompiledStep, FlatParam, member_piece, slice_spans
-from ..errors import SpecError
-from .state import TrainState, optimizer_slice, shard_coordinate
+from ..errors import ShardlangRuntimeError, SpecError
+from .state import TrainState, optimizer_slice, shard_coordinate, tensor_local
 from ..spec.units import ROOT_UNIT, unit_label, unit_of
 from .weights import WeightFiles
 
@@ -120,6 +120,12 @@ def materialize(compiled: CompiledStep, model: nn.Module, rank: int, device: tor
     files, from_file = _open_weights(init, model)
     tensors.check_initialisable(init.init_weights, from_file)
     coordinate = shard_coordinate(compiled, rank)
+    local = tensor_local(compiled, rank)
+    if compiled.context.config.tensor is not None and files is not None:
+        raise ShardlangRuntimeError(
+            f"weights={init.weights!r}: loading weights files into a step with tensor axis "
+            f"{compiled.context.config.tensor.name!r} is not supported yet; load them into the model first "
+            "(built on the CPU), or train on data axes alone")
     units = list(dict.fromkeys(f.unit for f in compiled.flats))
     buffer_unit = {name: unit_of(name, set(units)) for name in tensors.buffer_names}
     units += [u for u in dict.fromkeys(buffer_unit.values()) if u not in units]
@@ -130,7 +136,7 @@ def materialize(compiled: CompiledStep, model: nn.Module, rank: int, device: tor
         names = [m.name for f in flats for m in f.members] + [b for b, u in buffer_unit.items() if u == unit]
         with tensors.values_of(names, init, from_file) as values:
             for flat in flats:
-                flat_tensors[flat.name] = _storage(flat, values, files, from_file, coordinate(flat)).to(device)
+                flat_tensors[flat.name] = _storage(flat, local(values), files, from_file, coordinate(flat)).to(device)
             for name in names:
                 if name in buffer_unit:
                     buffers[name] = (files.read(from_file[name], tensors.current(name).dtype) if name in from_file

@@ -33,8 +33,24 @@ def shard_coordinate(compiled: CompiledStep, rank: int) -> Callable[[FlatParam],
 
     Example: on ``Mesh(fsdp=4)`` rank 2 holds shard 2 of every ZeRO-3 flat parameter.
     """
-    coordinate = compiled.context.mesh.coordinate(rank)
+    coordinate = compiled.context.world_mesh.coordinate(rank)
     return lambda flat: coordinate[flat.axis] if flat.params_sharded else 0
+
+
+def tensor_local(compiled: CompiledStep, rank: int) -> Callable[[dict], dict]:
+    """Logical parameter values by name -> the blocks ``rank`` holds on the tensor axis (the same without one).
+
+    The flats of a step with a tensor axis hold tp-local blocks (Note [tp-local flats]); their
+    shards are cut from these blocks as from whole parameters on a mesh of data axes alone.
+    """
+    config = compiled.context.config
+    if config.tensor is None:
+        return lambda values: values
+    axis = config.tensor
+    at = config.world_mesh.coordinate(rank)[axis.name]
+    params = {p.name for p in config.params}  # buffers pass through whole
+    return lambda values: {name: axis.local_block(name, v, at) if name in params else v
+                           for name, v in values.items()}
 
 
 def optimizer_slice(compiled: CompiledStep, rank: int) -> Callable[[FlatParam, torch.Tensor], torch.Tensor]:
@@ -43,7 +59,7 @@ def optimizer_slice(compiled: CompiledStep, rank: int) -> Callable[[FlatParam, t
     The whole tensor, except under ZeRO-1, where the rank holds the whole flat
     parameter and updates one slice of it (Note [whole-flat shards]).
     """
-    coordinate = compiled.context.mesh.coordinate(rank)
+    coordinate = compiled.context.world_mesh.coordinate(rank)
 
     def slice_of(flat: FlatParam, held: torch.Tensor) -> torch.Tensor:
         if flat.sharded and not flat.params_sharded:
@@ -75,15 +91,16 @@ class TrainState:
 
     @classmethod
     def from_module(cls, compiled: CompiledStep, model: torch.nn.Module, coordinate: Callable[[FlatParam], int],
-                    device: torch.device, optimizer_shard: Callable[[FlatParam, torch.Tensor], torch.Tensor]
-                    ) -> TrainState:
+                    device: torch.device, optimizer_shard: Callable[[FlatParam, torch.Tensor], torch.Tensor],
+                    rank: int = 0) -> TrainState:
         """Cut this rank's state from ``model``'s full parameters and buffers (Note [initialisation]).
 
         ``coordinate(flat)`` is which shard of ``flat`` this rank holds;
         ``optimizer_shard(flat, held)`` the part of the held storage its
-        optimizer updates (under ZeRO-1 a slice of the whole).
+        optimizer updates (under ZeRO-1 a slice of the whole). ``rank`` places the
+        tensor axis's blocks (`tensor_local`).
         """
-        named = dict(model.named_parameters())
+        named = tensor_local(compiled, rank)(dict(model.named_parameters()))
         flats = [shard_of(f, named, coordinate(f)).to(device).clone() for f in compiled.flats]
         buffers = [b.detach().clone().to(device) for b in model.buffers()]
         return cls.fresh(compiled, flats, buffers, [n for n, _ in model.named_buffers()], device, optimizer_shard)

@@ -28,6 +28,7 @@ from .random_state import StepRandom
 from ..runtime.dist import Backend, DistContext
 from ..runtime.dist import check_timeout
 from ..runtime.groups import mesh_groups
+from ..spec.tensor_axes import refuse_tensor_axis
 from ..runtime.watch import StepWatch
 from .state import TrainState, optimizer_slice, shard_coordinate
 from ..checkpoint.state_dict import ModelNames
@@ -62,7 +63,7 @@ class Step:
         # Note [one state, many graphs]: every batch shape's graph runs on self.state
         self.variants = Variants(compiled, self._bind(compiled), recipe, self._bind, limit=shape_limit)
         self.state = state or TrainState.from_module(compiled, model, self._coordinate, ctx.device,
-                                                      self._optimizer_shard)
+                                                      self._optimizer_shard, rank=ctx.rank)
         self.names = (ModelNames.of(model) if model is not None
                       else ModelNames.of_flats(compiled.flats, self.state.buffer_names))
         self._runner = self._compile_backend(compiled, ctx)
@@ -301,7 +302,22 @@ class Step:
         return out
 
     def _gather_parameters(self, keep: bool, to_main_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter whole, by name, where ``keep``; with ``to_main_only`` the shards go to rank 0 alone."""
+        """Every parameter whole, by name, where ``keep``; with ``to_main_only`` the shards go to rank 0 alone.
+
+        With a tensor axis every rank gathers its tp-local blocks whole over the data axes, and
+        then the blocks over the tensor axis (``to_main_only`` does not spare the other ranks yet).
+        """
+        tensor = self.compiled.context.config.tensor
+        if tensor is None:
+            return self._gather_data_axes(keep, to_main_only)
+        blocks = self._gather_data_axes(keep=True)
+        group = self._groups.get(tensor.name)
+        whole = {name: _gather_blocks(block, tensor.placement_of(name), tensor.size, group)
+                 for name, block in blocks.items()}
+        return whole if keep else {}
+
+    def _gather_data_axes(self, keep: bool, to_main_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (its tp-local block, with a tensor axis) whole over the data axes, where ``keep``."""
         out = {}
         for flat, local in zip(self.compiled.flats, self.flat_tensors):
             if flat.params_sharded:
@@ -352,6 +368,7 @@ class Step:
         """
         from ..checkpoint import save
 
+        self._refuse_tensor_axis("a checkpoint save")
         return save(self, path, data_position=data_position, data_state=data_state)
 
     def save_async(self, path, *, data_position: int | None = None, checkpointer: str = "thread",
@@ -363,6 +380,7 @@ class Step:
         """
         from ..checkpoint import save_async
 
+        self._refuse_tensor_axis("a checkpoint save")
         return save_async(self, path, data_position=data_position, checkpointer=checkpointer, data_state=data_state)
 
     def load(self, path):
@@ -375,7 +393,11 @@ class Step:
         """
         from ..checkpoint import load
 
+        self._refuse_tensor_axis("a checkpoint load")
         return load(self, path)
+
+    def _refuse_tensor_axis(self, what: str) -> None:
+        refuse_tensor_axis(self.compiled.context.world_mesh.names, what)
 
     def _compile_backend(self, compiled: CompiledStep, ctx: DistContext):
         """The bound graph compiled by ``Options.backend``; Note [one compile per machine].
@@ -405,7 +427,7 @@ class Step:
 
     def _mesh_coordinate(self) -> dict[str, int]:
         """This rank's coordinate on each mesh axis (row-major over the axes in order)."""
-        return self.compiled.context.mesh.coordinate(self.dist.rank)
+        return self.compiled.context.world_mesh.coordinate(self.dist.rank)
 
     def _coordinate(self, flat) -> int:
         """Which shard of ``flat`` this rank holds (`state.shard_coordinate`)."""
@@ -416,7 +438,7 @@ class Step:
         return optimizer_slice(self.compiled, self.dist.rank)(flat, held)
 
     def _check_world(self, ctx: DistContext) -> None:
-        expected = self.compiled.context.mesh.size
+        expected = self.compiled.context.world_mesh.size
         if ctx.world_size != expected:
             raise ShardlangRuntimeError(
                 f"the step was compiled for a mesh of {expected} ranks but runs in a world of {ctx.world_size}"
@@ -430,10 +452,14 @@ class Step:
         """
         if not ctx.has_process_group:
             return {}
-        mesh = self.compiled.context.mesh
+        config = self.compiled.context.config
         keys = [*group_keys(self.compiled.graph_module), WORLD_AXIS,
-                *(f.axis for f in self.compiled.flats if f.params_sharded)]
-        groups = mesh_groups(mesh, keys, ctx.rank, ctx.timeout_s if timeout_s is None else timeout_s)
+                *(f.axis for f in self.compiled.flats if f.params_sharded),
+                *([config.tensor.name] if config.tensor is not None else [])]
+        runtime = {key: config.runtime_group_key(key) for key in keys}  # the passes' "*": the data axes' ranks
+        made = mesh_groups(config.world_mesh, list(runtime.values()), ctx.rank,
+                           ctx.timeout_s if timeout_s is None else timeout_s)
+        groups = {key: made[runtime[key]] for key in keys}
         if timeout_s is not None:
             for group in {id(g): g for g in groups.values()}.values():
                 dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
@@ -452,6 +478,15 @@ def _all_gather(local: torch.Tensor, world: int, group=None) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, local.contiguous(), group=group)
     return out
+
+
+def _gather_blocks(block: torch.Tensor, placement, size: int, group) -> torch.Tensor:
+    """A parameter whole from every tensor rank's ``block`` (itself when replicated on the tensor axis)."""
+    if size == 1 or not hasattr(placement, "dim"):
+        return block
+    pieces = [torch.empty_like(block) for _ in range(size)]
+    dist.all_gather(pieces, block.contiguous(), group=group)
+    return torch.cat(pieces, dim=placement.dim)
 
 
 def _gather_to_main(local: torch.Tensor, world: int, group, is_main: bool) -> torch.Tensor | None:

@@ -104,6 +104,7 @@ from ..errors import SpecError
 from ..spec.mesh import Mesh
 from ..spec.recompute import RecomputeRule
 from ..spec.spec import Spec
+from ..spec.tensor_axes import refuse_tensor_axis
 from ..spec.strategy import Strategy
 from ..spec.units import ROOT_UNIT, default_units, find_units, unit_label, unit_of
 from .patterns import unit_patterns
@@ -347,6 +348,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     how many of the fastest layouts must be exact (Note [step floor]): ``tune --measure K`` runs K.
     ``workers``: layouts compiled at once, each in a process of its own (Note [layouts in parallel]).
     """
+    refuse_tensor_axis(spec.mesh.axis_names, "tune")
     started = time.perf_counter()
     job = Job(build_model, loss_fn, spec, optimizer, example_batch, world, budget, cost_model)
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,0 +1,196 @@
+"""Tensor parallelism end to end: Mesh(fsdp=-1, tp=n) with Megatron's placements trains like one process.
+
+The rules (tests/tensor_parallel_workers.py) place the parameters; propagation
+derives everything else. Every rank's whole parameters and the mean loss must
+match one process with torch.optim, in float64, at (fsdp, tp) = (1, 2), (2, 2), (1, 4).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import parity
+import shardlang as sl
+from models import CASES
+from shardlang.compiler import MeshShape
+from shardlang.compiler.placement import placements
+from shardlang.compiler.schedule.schedule_format import format_summary
+from shardlang.errors import CompileError
+from shardlang.spec.rules import Rule
+import tensor_parallel_workers as workers
+import training_workers
+
+STEPS = 3
+TOLERANCE = 1e-10
+
+
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)])
+def test_llama_on_fsdp_by_tp_trains_like_one_process(run_on, references, world, tp):
+    results = run_on(world, workers.train_tensor_parallel, "llama_tiny", tp, STEPS)
+    ref_losses, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (losses, params, _schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+    for k in range(STEPS):
+        assert sum(r[0][k] for r in results) / world == pytest.approx(ref_losses[k], rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["ZeRO2", "ZeRO1", "DDP"])
+def test_every_strategy_runs_on_the_data_axis_of_a_2d_mesh(run_on, references, strategy):
+    results = run_on(4, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, None, [("*", strategy)])
+    _, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (_losses, params, _schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+def test_hybrid_sharding_by_tp_trains_like_one_process(run_on, references):
+    results = run_on(4, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, None, None, 2)
+    _, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (_losses, params, _schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+def test_clipping_norm_runs_over_both_axes(run_on):
+    options = {"clip_grad_norm": 0.2}
+    results = run_on(4, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, options)
+    _, ref_params, _, norms, _ = training_workers.reference("llama_tiny", "adamw", STEPS, options)
+    assert all(n > 0.2 for n in norms)  # every step clips
+    for rank, (_losses, params, schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        details = [op["detail"] for op in schedule["ops"] if op["kind"] == "all_reduce" and op["phase"] == "optimizer"]
+        assert details == ["gradient norm", "gradient norm over tp"]
+
+
+@pytest.mark.parametrize("options, recompute", [({"microbatches": 2}, None), ({}, [("layers.*", "full")])])
+def test_accumulation_and_recompute_on_a_2d_mesh(run_on, references, options, recompute):
+    results = run_on(4, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, options, None, 1, recompute)
+    _, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (_losses, params, _schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
+def test_gpt_with_a_fused_qkv_trains_like_one_process(run_on, references, world, tp):
+    results = run_on(world, workers.train_tensor_parallel, "gpt_tiny", tp, STEPS)
+    _, ref_params, _ = references("gpt_tiny", "adamw")
+    for rank, (_losses, params, _schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+# -- the notation, the batch, the plan: no processes ------------------------------------------------------
+
+
+def _llama_spec(tp: int = 2) -> sl.Spec:
+    return sl.Spec(sl.Mesh(fsdp=-1, tp=tp), rules=workers.RULES["llama_tiny"], units=CASES["llama_tiny"].units)
+
+
+def test_a_tuple_layout_places_a_parameter_on_each_axis():
+    resolved = _llama_spec().resolve(CASES["llama_tiny"].build(), world_size=4)
+    assert resolved.mesh == MeshShape((("fsdp", 2),))  # the data axes: what FSDP shards over
+    assert resolved.tensor.name == "tp" and resolved.tensor.size == 2 and resolved.tensor.index == 1
+    assert resolved.tensor.placement_of("layers.0.attention.wo.weight") == placements.Shard(1)
+    assert resolved.tensor.placement_of("layers.0.ffn_norm.weight") == placements.Replicate()
+    text = resolved.describe()
+    assert re.search(r"layers\.0\.attention\.wq\.weight\s+\[64, 64\].*tp: shard\(dim=0\), fsdp: shard\(\)"
+                     r".*\[32, 64\]", text)
+    assert re.search(r"layers\.0\.ffn_norm\.weight .*tp: replicate\(\), fsdp: shard\(\).*\[64\]", text)
+
+
+def test_the_default_rule_shards_over_the_data_axes_and_replicates_over_tp():
+    assert sl.Spec(sl.Mesh(fsdp=-1, tp=2)).rules == (Rule("*", sl.shard("fsdp")),)
+
+
+def test_per_axis_layouts_round_trip_through_toml(tmp_path):
+    spec = _llama_spec()
+    path = tmp_path / "spec.toml"
+    path.write_text(spec.to_toml())
+    assert sl.Spec.from_toml(path) == spec
+    assert 'layout = [{layout = "shard", axis = "tp", dim = 0}, {layout = "shard", axis = "fsdp"}]' in path.read_text()
+
+
+@pytest.mark.parametrize("layout, message", [
+    ((sl.shard("fsdp"), sl.shard("tp", dim=0)), r"puts tensor axis 'tp' after shard\('fsdp'\); write it first"),
+    (sl.shard("tp"), r"shard\('tp'\) needs a dim"),
+    ((sl.shard("tp", dim=0), sl.shard("tp", dim=1)), r"names axis 'tp' twice"),
+    ((sl.shard("tp", dim=0), sl.replicate()), r"replicate\(\) at position 1"),
+])
+def test_a_bad_per_axis_layout_is_named(layout, message):
+    with pytest.raises(sl.SpecError, match=message):
+        sl.Spec(sl.Mesh(fsdp=-1, tp=2), rules=[("*", layout)])
+
+
+def test_a_tensor_dim_out_of_range_and_an_indivisible_size_are_named():
+    model = CASES["llama_tiny"].build()
+    spec = sl.Spec(sl.Mesh(fsdp=-1, tp=2), rules=[("*norm.weight", sl.shard("tp", dim=1)), ("*", sl.shard("fsdp"))])
+    with pytest.raises(sl.SpecError, match=r"dim 1 of parameter 'layers\.0\.attention_norm\.weight' of shape \(64,\)"):
+        spec.resolve(model, 4)
+    three = sl.Spec(sl.Mesh(fsdp=-1, tp=3), rules=[("*.w1.weight", sl.shard("tp", dim=0)), ("*", sl.shard("fsdp"))])
+    with pytest.raises(CompileError, match=r"'layers\.0\.feed_forward\.w1\.weight' on axis 'tp': dim 0 has size 160, "
+                                           r"which 3 ranks do not divide"):
+        sl.plan(CASES["llama_tiny"].builder, CASES["llama_tiny"].loss_fn, three, world_size=3,
+                example_batch=CASES["llama_tiny"].make_batch(0))
+    with pytest.raises(sl.SpecError, match=r"cannot fill fsdp=-1 for world size 6"):
+        sl.Spec(sl.Mesh(fsdp=-1, tp=4)).resolve(model, 6)
+
+
+def test_tp_ranks_take_the_same_rows():
+    mesh = sl.Mesh(fsdp=-1, tp=2)
+    assert [mesh.batch_split(4, r) for r in range(4)] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [sl.Mesh(replicate=2, fsdp=1, tp=2).batch_split(4, r) for r in range(4)] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert sl.Mesh(fsdp=-1).batch_split(4, 3) == (4, 3)
+
+
+def test_the_plan_shows_megatrons_all_reduces_on_the_tp_group():
+    case = CASES["llama_tiny"]
+    per_rank = case.make_batch(0)[:4]  # 8 rows over 2 data ranks
+    schedule = sl.plan(case.builder, case.loss_fn, _llama_spec(), example_batch=per_rank, world_size=4).schedule
+    config = case.build().config
+    tp_reduces = [op for op in schedule.ops if op.kind.value == "all_reduce" and op.group == "tp"]
+    forward = [op for op in tp_reduces if op.phase.value == "forward"]
+    backward = [op for op in tp_reduces if op.phase.value == "backward"]
+    assert len(forward) == 2 * config.n_layers and len(backward) == 2 * config.n_layers + 1
+    assert {op.bytes for op in tp_reduces} == {4 * config.max_seq_len * config.dim * 4}  # b*s*h float32, local batch
+    assert all(op.group_size == 2 and op.flat is None for op in tp_reduces)
+    assert "world 4 (mesh fsdp=2 x tp=2, tp a tensor axis)" in format_summary(schedule)
+
+
+def test_what_a_tensor_axis_cannot_do_yet_is_refused_before_training(tmp_path):
+    case = CASES["llama_tiny"]
+    with pytest.raises(sl.SpecError, match=r"tune on a mesh with tensor axis 'tp' is not supported yet"):
+        from shardlang.tune.search import tune
+        tune(case.build, case.loss_fn, _llama_spec(), sl.AdamW(lr=1e-3), case.make_batch(0)[:4], 4, None, None)
+
+
+def test_evaluation_on_a_2d_mesh_is_the_reference_models_loss(run_on, references):
+    results = run_on(4, workers.evaluate_tensor_parallel, "llama_tiny", 2)
+    case = CASES["llama_tiny"]
+    _, params, _ = references("llama_tiny", "adamw", steps=1)
+    model = case.build(torch.float64)
+    model.load_state_dict(params)
+    batch = case.make_batch(1, torch.float64)
+    with torch.no_grad():
+        expected = [float(case.loss_fn(model, sl.split_batch(batch, 2, index))) for index in (0, 0, 1, 1)]
+    assert results == pytest.approx(expected, rel=1e-12)
+
+
+def test_inductor_at_1_by_2_trains_like_one_process(run_on, references):
+    results = run_on(2, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, {"backend": "inductor"})
+    ref_losses, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (losses, params, _schedule) in enumerate(results):
+        # inductor's kernels round differently: this Llama under inductor on a data mesh alone ends 1.9e-6 from
+        # the eager reference too (layers.0.attention.wk.weight after 3 AdamW steps, measured), so the bound
+        # is inductor's, not tp's; the losses agree to 1e-10.
+        assert parity.max_relative_difference(params, ref_params) < 1e-5, f"rank {rank}"
+        assert losses == pytest.approx(ref_losses, rel=1e-10)
+
+
+def test_mixed_precision_on_a_2d_mesh_trains_close_to_float64(run_on, references):
+    bf16 = sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = run_on(2, workers.train_tensor_parallel, "llama_tiny", 2, STEPS, {"mixed_precision": bf16})
+    ref_losses, _, _ = references("llama_tiny", "adamw")
+    for losses, _params, schedule in results:
+        assert losses == pytest.approx(ref_losses, rel=2e-2)  # bf16 compute: close, not exact
+        tp_reduces = [op for op in schedule["ops"] if op["kind"] == "all_reduce" and op.get("group") == "tp"]
+        assert tp_reduces and all(op["bytes"] == 8 * 32 * 64 * 2 for op in tp_reduces if op["phase"] == "forward")
