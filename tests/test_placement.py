@@ -131,6 +131,9 @@ def test_llama_plan_has_megatrons_count_of_all_reduces_per_block():
     assert len(backward) == 2 * config.n_layers + 1
     reduced = {r.shape for r in plan.redistributions if isinstance(r.source, Partial)}
     assert reduced == {(b, s, h)}  # each all-reduce moves b*s*h elements of the local batch
+    # every gradient comes out in its parameter's placement: none is made whole and then cut
+    by_name = {node.name: node for node in traced.graph_module.graph.nodes}
+    assert not [r for r in plan.redistributions if phase_of(by_name[r.consumer]) is Phase.OPTIMIZER]
     # the logits are gathered once for the loss; no parameter is ever moved
     gathers = _collectives(local, collectives.all_gather_dim, Phase.FORWARD)
     assert len(gathers) == 1

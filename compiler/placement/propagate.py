@@ -143,6 +143,7 @@ class _Propagation:
         self.flat_of_input: dict[str, str] = {}
         self.flats = self._flat_layouts()
         self.grad_member = self._gradient_members()
+        self.wanted = self._gradient_demands()
 
     def run(self) -> PlacementPlan:
         for node in self.graph.nodes:
@@ -205,6 +206,36 @@ class _Propagation:
                     found[view.name] = slot
         return found
 
+    def _gradient_demands(self) -> dict[str, Placement]:
+        """Note [gradients where their parameters are]: the placement each node on a member gradient's path should take.
+
+        A gradient joins its flat in its parameter's placement. Walking back from
+        each member gradient through calls read by nothing else, each node is
+        asked for the placement under which its rule produces what its reader
+        wants; `choose` takes that strategy among those of least cost. Without it,
+        a product of replicated operands (the output head's weight gradient) is
+        made whole and then cut to the rank's block: the same bytes moved, but n
+        times the compute and a whole-size temporary.
+        """
+        wanted: dict[str, Placement] = {}
+        pending = [(view.args[0], slot.placement) for name, slot in self.grad_member.items()
+                   for view in self.graph.find_nodes(op="call_function", target=aten.view.default)
+                   if view.name == name and isinstance(slot.placement, Shard)]
+        while pending:
+            node, placement = pending.pop()
+            if node.op != "call_function" or node.name in wanted or not has_rule(node.target):
+                continue
+            wanted[node.name] = placement
+            leaves = tensor_leaves(node)
+            call = OpCall(node, tuple(REPLICATE for _ in leaves), self.n)
+            chosen = next((s for s in strategies_of(call) if s.outputs[0] == placement), None)
+            if chosen is None:
+                continue
+            for arg, want in zip(leaves, chosen.inputs):
+                if isinstance(want, Shard) and len(arg.users) == 1:
+                    pending.append((arg, want))
+        return wanted
+
     def _input_placement(self, node: fx.Node):
         flat = self.flat_of_input.get(node.name)
         return Packed(flat) if flat is not None else REPLICATE
@@ -265,7 +296,7 @@ class _Propagation:
                                              "without one")
         strategies = _reduce_shared_partials(call, strategies_of(call))
         chosen = choose(call, strategies, [self.available.get(a.name, ()) for a in call.leaves],
-                        [a.name in self.parameters for a in call.leaves])
+                        [a.name in self.parameters for a in call.leaves], prefer=self.wanted.get(node.name))
         if chosen is None:
             raise self._error(node, current, "none of its strategies fits these arguments")
         return chosen

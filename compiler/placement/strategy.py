@@ -97,8 +97,12 @@ def redistribution_cost(shape: tuple[int, ...], source: Placement, target: Place
 PARAMETER_WEIGHT = 1000.0  # moving a parameter costs this many times its bytes (Note [parameters stay put])
 
 
-def choose(call: OpCall, strategies: list[Strategy], available=None, parameters=None) -> Strategy | None:
+def choose(call: OpCall, strategies: list[Strategy], available=None, parameters=None,
+           prefer: Placement | None = None) -> Strategy | None:
     """The strategy whose redistributions cost least; the first of equals; None when none can run.
+
+    ``prefer``: among the strategies of least cost, the first whose output is placed so wins
+    (Note [gradients where their parameters are] in `compiler.placement.propagate`).
 
     ``available[i]`` holds placements argument ``i`` already has from an earlier
     redistribution: using one of those again costs nothing. ``parameters[i]``
@@ -119,6 +123,7 @@ def choose(call: OpCall, strategies: list[Strategy], available=None, parameters=
         cost = sum(0.0 if want in ready else redistribution_cost(s, have, want) * (PARAMETER_WEIGHT if param else 1)
                    for s, have, want, ready, param in zip(shapes, call.placements, strategy.inputs, available,
                                                           parameters))
-        if cost < best_cost:
+        preferred = prefer is not None and strategy.outputs[0] == prefer
+        if cost < best_cost or (cost == best_cost and preferred and best.outputs[0] != prefer):
             best, best_cost = strategy, cost
     return best
