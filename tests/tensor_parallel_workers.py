@@ -59,3 +59,20 @@ def evaluate_tensor_parallel(ctx, case_name: str, tp: int):
                       example_batch=split_batch(case.make_batch(0, dt), parts, index), dist_context=ctx)
     step(split_batch(case.make_batch(0, dt), parts, index))
     return float(step.evaluate(split_batch(case.make_batch(1, dt), parts, index), case.loss_fn))
+
+
+def rows_of(case_name: str, k: int, dt):
+    """Global batch ``k`` of a run whose second batch is short (4 rows): a batch of another shape mid-run."""
+    batch = CASES[case_name].make_batch(k, dt)
+    return batch[:4] if k == 1 else batch
+
+
+def train_varying_shapes(ctx, case_name: str, tp: int, steps: int):
+    """As `train_tensor_parallel`, on `rows_of`'s batches: the step compiles the short batch's shape once more."""
+    case, dt = CASES[case_name], DTYPES["float64"]
+    spec = sl.Spec(sl.Mesh(fsdp=-1, tp=tp), rules=RULES[case_name], units=case.units)
+    parts, index = spec.mesh.batch_split(ctx.world_size, ctx.rank)
+    step = sl.compile(case.build(dt), case.loss_fn, spec, optimizer=OPTIMIZERS["adamw"][0](),
+                      example_batch=split_batch(rows_of(case_name, 0, dt), parts, index), dist_context=ctx)
+    losses = [float(step(split_batch(rows_of(case_name, k, dt), parts, index))) for k in range(steps)]
+    return losses, step.full_parameters()

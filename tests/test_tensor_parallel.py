@@ -194,3 +194,17 @@ def test_mixed_precision_on_a_2d_mesh_trains_close_to_float64(run_on, references
         assert losses == pytest.approx(ref_losses, rel=2e-2)  # bf16 compute: close, not exact
         tp_reduces = [op for op in schedule["ops"] if op["kind"] == "all_reduce" and op.get("group") == "tp"]
         assert tp_reduces and all(op["bytes"] == 8 * 32 * 64 * 2 for op in tp_reduces if op["phase"] == "forward")
+
+
+def test_a_batch_of_another_shape_on_a_2d_mesh_trains_like_one_process(run_on):
+    results = run_on(4, workers.train_varying_shapes, "llama_tiny", 2, STEPS)
+    case = CASES["llama_tiny"]
+    model = case.build(torch.float64)
+    optimizer = parity.OPTIMIZERS["adamw"][1](model.parameters())
+    for k in range(STEPS):
+        optimizer.zero_grad()
+        case.loss_fn(model, workers.rows_of("llama_tiny", k, torch.float64)).backward()
+        optimizer.step()
+    reference = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, (_losses, params) in enumerate(results):
+        assert parity.max_relative_difference(params, reference) < TOLERANCE, f"rank {rank}"

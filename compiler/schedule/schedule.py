@@ -254,9 +254,16 @@ class Schedule:
         per channel, with the element count reduced alongside; the gradient norm
         is one number; micro-batches split each rank's own rows. Compute
         segments and memory, which do depend on the batch, are left out, so ranks
-        holding batches of different shapes in the same step compare equal.
+        holding batches of different shapes in the same step compare equal. A
+        tensor axis's collectives move activations, whose bytes do depend on the
+        batch: their order and groups count, their bytes do not. The ranks of one
+        tp group take the same rows (`Mesh.batch_split`), so they agree on those
+        too; ranks of different tp groups never meet in one.
         """
-        return tuple((op.kind.value, op.group, op.group_size, op.bytes, op.flat, op.detail, op.microbatch)
+        tensor = self.tensor_axis[0] if self.tensor_axis else None
+        return tuple((op.kind.value, op.group, op.group_size,
+                      None if tensor is not None and op.group == tensor and op.flat is None else op.bytes,
+                      op.flat, op.detail, op.microbatch)
                      for op in self.ops if op.kind in COLLECTIVE_KINDS)
 
     def collectives_digest(self) -> str:
