@@ -163,6 +163,7 @@ def _summary(setting: Setting, ranks: list[dict]) -> dict:
     for mode in setting.modes:
         out[mode] = {"step_s": statistics.median(statistics.median(r[mode]["times"]) for r in ranks),
                      "peak_mib": max(r[mode]["peak"] for r in ranks) / 2**20,
+                     "state_mib": max(r[mode]["state"] for r in ranks) / 2**20,
                      "loss": ranks[0][mode]["loss"]}
     peer = setting.modes[1]
     out["ratios"] = {"step_time": out["shardlang"]["step_s"] / out[peer]["step_s"],

@@ -135,9 +135,9 @@ def test_llama_plan_has_megatrons_count_of_all_reduces_per_block():
     by_name = {node.name: node for node in traced.graph_module.graph.nodes}
     assert not [r for r in plan.redistributions if phase_of(by_name[r.consumer]) is Phase.OPTIMIZER]
     # the logits are gathered once for the loss; no parameter is ever moved
-    gathers = _collectives(local, collectives.all_gather_dim, Phase.FORWARD)
+    gathers = _collectives(local, collectives.all_gather, Phase.FORWARD)
     assert len(gathers) == 1
-    assert not _collectives(local, collectives.all_gather_dim, Phase.BACKWARD)
+    assert not _collectives(local, collectives.all_gather, Phase.BACKWARD)
 
 
 def test_every_value_has_a_placement():

@@ -83,16 +83,6 @@ def local_shard(full: torch.Tensor, axis: str, group_size: int) -> torch.Tensor:
     return full.narrow(0, 0, full.shape[0] // group_size)
 
 
-def all_gather_dim(shard: torch.Tensor, dim: int, axis: str, group_size: int) -> torch.Tensor:
-    """Concatenate every rank's block along ``dim``: a tensor axis's Shard(dim) -> Replicate. Issue only."""
-    _abstract_only("all_gather_dim", shard, group_size)
-    if group_size == 1:
-        return shard
-    shape = list(shard.shape)
-    shape[dim] *= group_size
-    return shard.new_empty(shape)
-
-
 def local_block(full: torch.Tensor, dim: int, axis: str, group_size: int) -> torch.Tensor:
     """This rank's block along ``dim`` of a replicated tensor (Replicate -> Shard(dim)), contiguous.
 
@@ -126,7 +116,7 @@ def free(*tensors: torch.Tensor) -> None:
     """
 
 
-COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_reduce_, all_gather_into, all_gather_dim)
+COLLECTIVES = (all_gather, reduce_scatter, all_reduce, all_reduce_, all_gather_into)
 COORDINATE_DEPENDENT = (local_shard, local_block, local_partial)  # what a rank computes depends on where it is
 EFFECTS = COLLECTIVES + (wait, free)
 
@@ -142,7 +132,7 @@ def group_of(node: torch.fx.Node) -> tuple[str, int] | None:
         return node.args[1], node.args[2]
     if node.target is all_gather_into:
         return node.args[2], node.args[3]
-    if node.target in (all_gather_dim, local_block):
+    if node.target is local_block:
         return node.args[2], node.args[3]
     if node.target is local_partial:
         return node.args[1], node.args[2]

@@ -99,8 +99,6 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
             # Note [reductions in place] (`passes.reduce_in_place`) chose which ones reduce their buffer in place.
             op = _c10d.all_reduce_.default if node.target is collectives.all_reduce_ else _c10d.all_reduce.default
             node.target, node.args = op, (buffer, "sum", _group(group_names, axis))
-        elif node.target is collectives.all_gather_dim:
-            _gather_along_dim(bound.graph, node, _group(group_names, node.args[2]))
         elif node.target is collectives.local_block:
             full, dim, axis, size = node.args
             block = full.meta["val"].shape[dim] // size
@@ -129,28 +127,6 @@ def bind(gm: fx.GraphModule, group_names: dict[str, str] | None,
     bound.graph.lint()
     bound.recompile()
     return bound
-
-
-def _gather_along_dim(graph: fx.Graph, node: fx.Node, group: str) -> None:
-    """``all_gather_dim(x, d)`` as c10d's gather along dim 0: move dim d first, gather, and move it back after the wait.
-
-    Blocks concatenated along the first dim of ``x.movedim(d, 0)`` are blocks along ``d``.
-    """
-    shard, dim, _axis, size = node.args
-    wait = next(u for u in node.users if u.target is collectives.wait)
-    if dim != 0:
-        with graph.inserting_before(node):
-            moved = graph.call_function(torch.ops.aten.movedim.int, (shard, dim, 0))
-            shard = graph.call_function(torch.ops.aten.clone.default, (moved,),
-                                        {"memory_format": torch.contiguous_format})
-    node.target, node.args = _c10d.all_gather_into_tensor.default, (shard, size, group)
-    if dim != 0:
-        with graph.inserting_after(wait):
-            back = graph.call_function(torch.ops.aten.movedim.int, (wait, 0, dim))
-        with graph.inserting_after(back):
-            whole = graph.call_function(torch.ops.aten.clone.default, (back,),
-                                        {"memory_format": torch.contiguous_format})
-        wait.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not back)
 
 
 def _keep_reduction_buffers(graph: fx.Graph) -> None:

@@ -6,12 +6,17 @@ each redistribution the plan records becomes nodes before the call, on the
 plan's axis:
 
     Partial   -> Replicate   all_reduce, wait
-    Shard(d)  -> Replicate   all_gather_dim(d), wait
+    Shard(d)  -> Replicate   all_gather, wait               (d > 0: dim d moved first and back after, copied)
     Replicate -> Shard(d)    local_block(d)                (this rank's block: no communication)
     Replicate -> Partial     local_partial                 (itself on coordinate 0, zeros elsewhere)
     Partial   -> Shard(d)    all_reduce, wait, local_block(d)
-    Shard(d)  -> Shard(e)    all_gather_dim(d), wait, local_block(e)
-    Shard(d)  -> Partial     all_gather_dim(d), wait, local_partial
+    Shard(d)  -> Shard(e)    all_gather, wait, local_block(e)
+    Shard(d)  -> Partial     all_gather, wait, local_partial
+
+A gather along a dim other than 0 is c10d's gather along dim 0 of the tensor
+with dim d moved first, made contiguous, and moved back after: written here as
+nodes, so the memory plan sees the copies the step makes (the analysis reads
+the graph that will run).
 
 The result computes, on every rank, that rank's local value of every logical
 value, so the loss is the logical loss and each rank's flats hold their local
@@ -32,12 +37,14 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from shardlang.errors import CompileError
 from ..ir import collectives
 from ..ir.provenance import site_of_node
-from ..ir.tags import NodeKind, tag
+from ..ir.tags import NodeKind, set_phase, tag
 from ..ir.trace import phase_of
 from .placements import Packed, Partial, Replicate, Shard
 from .propagate import PlacementPlan, Redistribution
 
 __all__ = ["localize"]
+
+aten = torch.ops.aten
 
 
 def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModule:
@@ -100,8 +107,11 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
         x = _collective(graph, collectives.all_reduce, (x, axis, n), NodeKind.ALL_REDUCE, phase, detail)
         src = Replicate()
     elif isinstance(src, Shard):
-        x = _collective(graph, collectives.all_gather_dim, (x, src.dim, axis, n), NodeKind.ALL_GATHER, phase,
-                        detail)
+        if src.dim != 0:
+            x = _copy(graph, graph.call_function(aten.movedim.int, (x, src.dim, 0)), phase)
+        x = _collective(graph, collectives.all_gather, (x, axis, n), NodeKind.ALL_GATHER, phase, detail)
+        if src.dim != 0:
+            x = _copy(graph, graph.call_function(aten.movedim.int, (x, 0, src.dim)), phase)
         src = Replicate()
     if not isinstance(src, Replicate):
         raise CompileError(f"{consumer.name}: no redistribution from {r.source!r} to {r.target!r} on {axis!r}")
@@ -110,6 +120,15 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     elif isinstance(dst, Partial):
         x = graph.call_function(collectives.local_partial, (x, axis, n))
     return x
+
+
+def _copy(graph: fx.Graph, moved: fx.Node, phase) -> fx.Node:
+    """``moved`` made contiguous (a gather reads and writes whole blocks along dim 0)."""
+    copied = graph.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+    if phase is not None:
+        set_phase(moved, phase)
+        set_phase(copied, phase)
+    return copied
 
 
 def _collective(graph: fx.Graph, target, args, kind: NodeKind, phase, detail: str) -> fx.Node:

@@ -49,9 +49,8 @@ def _run(node: fx.Node, values: list, n: int) -> list:
         for r in range(1, n):
             total += values[r][0][0]
         return [total.clone() for _ in range(n)]
-    if target is collectives.all_gather_dim:
-        dim = values[0][0][1]
-        whole = torch.cat([values[r][0][0] for r in range(n)], dim=dim)
+    if target is collectives.all_gather:
+        whole = torch.cat([values[r][0][0] for r in range(n)], dim=0)
         return [whole.clone() for _ in range(n)]
     if target is collectives.local_block:
         out = []
