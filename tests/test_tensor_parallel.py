@@ -14,7 +14,7 @@ import torch
 
 import parity
 import shardlang as sl
-from models import CASES
+from models import CASES, EXAMPLES
 from shardlang.compiler import MeshShape
 from shardlang.compiler.placement import placements
 from shardlang.compiler.schedule.schedule_format import format_summary
@@ -208,3 +208,14 @@ def test_a_batch_of_another_shape_on_a_2d_mesh_trains_like_one_process(run_on):
     reference = {n: p.detach() for n, p in model.named_parameters()}
     for rank, (_losses, params) in enumerate(results):
         assert parity.max_relative_difference(params, reference) < TOLERANCE, f"rank {rank}"
+
+
+def test_shardlang_plan_shows_each_parameters_placement_on_every_axis(capsys):
+    from shardlang.cli import main
+
+    assert main(["plan", str(EXAMPLES / "llama.py"), "--spec", str(EXAMPLES / "llama_tp.toml"), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "placements on every axis:" in out
+    assert re.search(r"layers\.0\.attention\.wo\.weight\s+\[64, 64\].*tp: shard\(dim=1\), fsdp: shard\(\).*\[64, 32\]",
+                     out)
+    assert "world 4 (mesh fsdp=2 x tp=2, tp a tensor axis)" in out

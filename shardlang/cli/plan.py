@@ -24,10 +24,12 @@ import contextlib
 import sys
 
 import attrs
+import torch
 from torch.utils import _pytree as pytree
 
 from .. import api
 from ..compiler import CostModel
+from ..spec.tensor_axes import is_tensor_axis
 from ..tune.calibrate import beyond_probes
 from .job import build, global_batch, load_job
 from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, output_file, positive,
@@ -87,6 +89,9 @@ def main(args) -> int:
     what = "evaluation (forward only)" if args.eval else f"optimizer {job.optimizer!r}"
     print(f"shardlang plan {shown(job.path)}: world {args.world}, {what}, "
           f"per-rank batch of step {args.batch_step}: {shapes}\n")
+    if any(is_tensor_axis(a) for a in job.spec.mesh.axis_names):  # where each parameter lies on every axis
+        with torch.device("meta"):
+            print("placements on every axis:\n" + job.spec.resolve(job.build_model(), args.world).describe() + "\n")
     print(plan.report())
     if note:
         print("\n" + note)
