@@ -218,9 +218,9 @@ class _Propagation:
         times the compute and a whole-size temporary.
         """
         wanted: dict[str, Placement] = {}
-        pending = [(view.args[0], slot.placement) for name, slot in self.grad_member.items()
-                   for view in self.graph.find_nodes(op="call_function", target=aten.view.default)
-                   if view.name == name and isinstance(slot.placement, Shard)]
+        views = {n.name: n for n in self.graph.find_nodes(op="call_function", target=aten.view.default)}
+        pending = [(views[name].args[0], slot.placement) for name, slot in self.grad_member.items()
+                   if isinstance(slot.placement, Shard)]
         while pending:
             node, placement = pending.pop()
             if node.op != "call_function" or node.name in wanted or not has_rule(node.target):
