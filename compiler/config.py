@@ -101,6 +101,17 @@ class TensorAxis:
             return value.chunk(self.size, placement.dim)[coordinate]
         return value
 
+    def block_offsets(self, name: str, shape: tuple[int, ...], coordinate: int) -> tuple[int, ...]:
+        """Where the block of `local_block` starts in parameter ``name`` of logical ``shape``, on every dim.
+
+        Example: a ``(8, 4)`` weight under ``Shard(0)`` on a tp axis of 2: rank 1's block starts at ``(4, 0)``.
+        """
+        placement = self.placement_of(name)
+        if not isinstance(placement, Shard):
+            return (0,) * len(shape)
+        block = shape[placement.dim] // self.size  # `local_shape` has checked that the axis divides it
+        return tuple(coordinate * block if d == placement.dim else 0 for d in range(len(shape)))
+
     def local_param(self, info: ParamInfo) -> ParamInfo:
         """``info`` with the shape a rank of this axis holds of it (its block under its placement)."""
         placement = self.placement_of(info.name)

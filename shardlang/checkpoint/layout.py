@@ -139,6 +139,17 @@ def sharded_pieces(member: Member, piece: torch.Tensor, coordinate: int) -> list
     return whole_piece(member, piece)
 
 
+def placed(pieces: list[Piece], offsets: tuple[int, ...]) -> list[Piece]:
+    """``pieces`` of a block that starts at ``offsets`` in the global tensor, as chunks of the global tensor.
+
+    A tensor axis's block is a rectangle (Note [tp-local flats]); every chunk of it moves by its start.
+    """
+    if not any(offsets):
+        return pieces
+    return [Piece(Chunk(tuple(o + s for o, s in zip(p.chunk.offsets, offsets)), p.chunk.sizes), p.tensor)
+            for p in pieces]
+
+
 def parameter_pieces(flat: FlatParam, member: Member, storage: torch.Tensor, coordinate: int
                      ) -> tuple[list[Piece], list[Piece]]:
     """(what this rank writes, what it reads) of one member of its parameter storage for ``flat``.

@@ -33,7 +33,7 @@ import torch
 
 from ..compiler import Adam, AdamW, FlatParam, SGD, hyper_name, tied_parameters
 from ..errors import CheckpointError
-from .layout import Entry, optimizer_pieces, parameter_pieces
+from .layout import Entry, optimizer_pieces, parameter_pieces, placed
 
 FORMAT = 1
 META_KEY = "shardlang.meta"
@@ -71,13 +71,15 @@ class ModelNames:
 def model_entries(step) -> dict[str, object]:
     """``model.<name>`` for every parameter (as `Entry`) and persistent buffer."""
     state = step.state
+    block = _tensor_block(step)
     entries: dict[str, object] = {}
     for flat, storage in zip(step.compiled.flats, state.flat_tensors):
         coordinate = _coordinate(step, flat)
         for member in flat.members:
+            shape, offsets = block(member.name)
             save, load = parameter_pieces(flat, member, storage, coordinate)
-            entries[member.name] = Entry(f"model.{member.name}", member.info.shape, flat.dtype, tuple(save),
-                                         tuple(load))
+            entries[member.name] = Entry(f"model.{member.name}", shape, flat.dtype, tuple(placed(save, offsets)),
+                                         tuple(placed(load, offsets)))
     for alias, name in step.names.aliases.items():
         entries[alias] = attrs.evolve(entries[name], name=f"model.{alias}")
     buffers = dict(zip(state.buffer_names, state.buffers))
@@ -92,6 +94,7 @@ def optimizer_entries(step) -> dict[str, dict[str, object]]:
     optimizer = step.compiled.traced.optimizer
     out: dict[str, dict[str, object]] = {}
     tensors = iter(state.optimizer_state)
+    block = _tensor_block(step)
     for flat in step.compiled.flats:
         if not flat.trainable:
             continue
@@ -100,9 +103,10 @@ def optimizer_entries(step) -> dict[str, dict[str, object]]:
         held = [next(tensors) for _ in names]
         for member in flat.members:
             per = out.setdefault(member.name, {})
+            shape, offsets = block(member.name)
             for state_name, tensor in zip(names, held):
-                pieces = tuple(optimizer_pieces(flat, member, tensor, coordinate))
-                per[state_name] = Entry(f"optimizer.state.{member.name}.{state_name}", member.info.shape, flat.dtype,
+                pieces = tuple(placed(optimizer_pieces(flat, member, tensor, coordinate), offsets))
+                per[state_name] = Entry(f"optimizer.state.{member.name}.{state_name}", shape, flat.dtype,
                                         pieces, pieces)
             if isinstance(optimizer.of(flat), Adam):
                 per["step"] = state.step_count.to(torch.float32)
@@ -159,12 +163,12 @@ def meta(step) -> dict[str, object]:
     return {
         "format": FORMAT,
         "world_size": step.dist.world_size,
-        "mesh": [list(a) for a in step.compiled.context.mesh.axes],
+        "mesh": [list(a) for a in step.compiled.context.world_mesh.axes],
         "spec": spec.to_dict() if spec is not None else None,
         "optimizer": repr(step.compiled.traced.optimizer.base),
         "flats": [{"name": f.name, "strategy": f.strategy.value, "axis": f.axis,
                    "members": [m.name for m in f.members]} for f in step.compiled.flats],
-        "parameters": {m.name: list(m.info.shape) for f in step.compiled.flats for m in f.members},
+        "parameters": {p.name: list(p.shape) for p in step.compiled.context.config.params},
         "aliases": dict(step.names.aliases),
         "buffers": list(step.names.persistent_buffers),
         "steps": step.steps_done,
@@ -279,4 +283,19 @@ def set_rng(random, saved: torch.Tensor) -> None:
 
 def _coordinate(step, flat: FlatParam) -> int:
     """This rank's coordinate on ``flat``'s axis (0 when replicated)."""
-    return step.compiled.context.mesh.coordinate(step.dist.rank)[flat.axis] if flat.sharded else 0
+    return step.compiled.context.world_mesh.coordinate(step.dist.rank)[flat.axis] if flat.sharded else 0
+
+
+def _tensor_block(step):
+    """Parameter name -> (its logical shape, where this rank's tensor-axis block starts in it).
+
+    The flats hold tp-local blocks (Note [tp-local flats]); a checkpoint names global tensors, as
+    DTensors on a 2-D mesh do, so every chunk of a block is placed at the block's start.
+    """
+    config = step.compiled.context.config
+    shapes = {p.name: tuple(p.shape) for p in config.params}
+    axis = config.tensor
+    if axis is None:
+        return lambda name: (shapes[name], (0,) * len(shapes[name]))
+    at = step.compiled.context.world_mesh.coordinate(step.dist.rank)[axis.name]
+    return lambda name: (shapes[name], axis.block_offsets(name, shapes[name], at))

@@ -204,8 +204,6 @@ class Checkpointing:
 def _refuse_on_tensor_axis(job, checkpoints, args) -> None:
     """Before any rank starts: what a mesh with a tensor axis cannot do yet (docs/tensor_parallel.md)."""
     axes = job.spec.mesh.axis_names
-    if checkpoints.directory is not None:
-        refuse_tensor_axis(axes, f"--checkpoint-dir {checkpoints.directory}")
     if args.weights:
         refuse_tensor_axis(axes, f"--weights {args.weights}")
 

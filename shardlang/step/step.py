@@ -28,7 +28,6 @@ from .random_state import StepRandom
 from ..runtime.dist import Backend, DistContext
 from ..runtime.dist import check_timeout
 from ..runtime.groups import mesh_groups
-from ..spec.tensor_axes import refuse_tensor_axis
 from ..runtime.watch import StepWatch
 from .state import TrainState, optimizer_slice, shard_coordinate
 from ..checkpoint.state_dict import ModelNames
@@ -368,7 +367,6 @@ class Step:
         """
         from ..checkpoint import save
 
-        self._refuse_tensor_axis("a checkpoint save")
         return save(self, path, data_position=data_position, data_state=data_state)
 
     def save_async(self, path, *, data_position: int | None = None, checkpointer: str = "thread",
@@ -380,7 +378,6 @@ class Step:
         """
         from ..checkpoint import save_async
 
-        self._refuse_tensor_axis("a checkpoint save")
         return save_async(self, path, data_position=data_position, checkpointer=checkpointer, data_state=data_state)
 
     def load(self, path):
@@ -393,11 +390,7 @@ class Step:
         """
         from ..checkpoint import load
 
-        self._refuse_tensor_axis("a checkpoint load")
         return load(self, path)
-
-    def _refuse_tensor_axis(self, what: str) -> None:
-        refuse_tensor_axis(self.compiled.context.world_mesh.names, what)
 
     def _compile_backend(self, compiled: CompiledStep, ctx: DistContext):
         """The bound graph compiled by ``Options.backend``; Note [one compile per machine].
