@@ -101,16 +101,21 @@ class TensorAxis:
             return value.chunk(self.size, placement.dim)[coordinate]
         return value
 
+    def split_dim(self, name: str) -> int | None:
+        """The dim this axis splits parameter ``name`` on; None where it is replicated."""
+        placement = self.placement_of(name)
+        return placement.dim if isinstance(placement, Shard) else None
+
     def block_offsets(self, name: str, shape: tuple[int, ...], coordinate: int) -> tuple[int, ...]:
         """Where the block of `local_block` starts in parameter ``name`` of logical ``shape``, on every dim.
 
         Example: a ``(8, 4)`` weight under ``Shard(0)`` on a tp axis of 2: rank 1's block starts at ``(4, 0)``.
         """
-        placement = self.placement_of(name)
-        if not isinstance(placement, Shard):
+        dim = self.split_dim(name)
+        if dim is None:
             return (0,) * len(shape)
-        block = shape[placement.dim] // self.size  # `local_shape` has checked that the axis divides it
-        return tuple(coordinate * block if d == placement.dim else 0 for d in range(len(shape)))
+        block = shape[dim] // self.size  # `local_shape` has checked that the axis divides it
+        return tuple(coordinate * block if d == dim else 0 for d in range(len(shape)))
 
     def local_param(self, info: ParamInfo) -> ParamInfo:
         """``info`` with the shape a rank of this axis holds of it (its block under its placement)."""

@@ -176,3 +176,44 @@ def fsdp2_tp_run(ctx, tp: int, path: str, steps: int, save: bool):
         set_optimizer_state_dict(model, opt, sd["optimizer"])
         losses = train(steps, 2 * steps)
     return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- pretrained weights on a 2-D mesh -------------------------------------------------------------------
+
+
+def save_llama_weights(directory: str) -> str:
+    """llama_tiny at values no initialisation gives, in the Hugging Face layout (two files and an index)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = CASES["llama_tiny"].build(DTYPES["float64"], seed=7)
+    tensors = {n: (p.detach() + 0.01 * torch.randn_like(p)).contiguous() for n, p in model.named_parameters()}
+    names, out = list(tensors), Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        file = f"model-0000{k + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / file))
+        weight_map |= {n: file for n in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return str(out)
+
+
+def train_from_weights(ctx, tp: int, weights: str, steps: int):
+    """llama_tiny built on meta, compiled on ``Mesh(fsdp=-1, tp=tp)`` with ``weights=``: each rank reads its
+    FSDP shard of its tp block. Returns (this rank's losses, full parameters)."""
+    import torch
+
+    case, dt = CASES["llama_tiny"], DTYPES["float64"]
+    with torch.device("meta"):
+        model = case.build(dt)
+    spec = sl.Spec(sl.Mesh(fsdp=-1, tp=tp), rules=RULES["llama_tiny"], units=case.units)
+    parts, index = spec.mesh.batch_split(ctx.world_size, ctx.rank)
+    step = sl.compile(model, case.loss_fn, spec, optimizer=OPTIMIZERS["adamw"][0](),
+                      example_batch=split_batch(case.make_batch(0, dt), parts, index), dist_context=ctx,
+                      weights=weights)
+    losses = [float(step(split_batch(case.make_batch(k, dt), parts, index))) for k in range(steps)]
+    return losses, step.full_parameters()

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from unittest import mock
 
 import pytest
+import safetensors
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ from shardlang.compiler.layout.flat import Member, member_piece
 from shardlang.compiler.layout.placement import LayoutKind, ParamInfo, Placement
 from shardlang.step.materialize import Init, materialize_module, module_seed
 from shardlang.step.ownership import is_released
-from shardlang.step.weights import WeightFiles
+from shardlang.step.weights import Block, WeightFiles
 
 import materialize_workers as w
 import parity
@@ -194,6 +196,29 @@ def test_a_slice_read_from_the_file_is_the_piece_cut_from_the_tensor(tmp_path_fa
             else contextlib.nullcontext():
         got = WeightFiles.open(path).read_piece("p", member, rank)
     assert torch.equal(got, member_piece(member, full.float(), rank))
+
+
+@settings(max_examples=60, deadline=None)
+@given(member=members(), data=st.data())
+def test_a_slice_read_from_a_tp_block_is_the_piece_cut_from_the_block(tmp_path_factory, member, data):
+    """On a tensor axis a member is a rank's tp block: the file is read at the block's place, nothing more."""
+    from safetensors.torch import save_file
+
+    shape = list(member.info.shape)
+    dim, tp = data.draw(st.integers(0, len(shape) - 1)), data.draw(st.integers(1, 4))
+    at = data.draw(st.integers(0, tp - 1))
+    shape[dim] *= tp
+    full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    path = tmp_path_factory.mktemp("block") / "p.safetensors"
+    save_file({"p": full}, str(path))
+    rank = data.draw(st.integers(0, member.world - 1))
+    block = Block(dim, at * member.info.shape[dim], member.info.shape[dim])
+    with mock.patch.object(WeightFiles, "_handle", wraps=None) as handle:
+        real = safetensors.safe_open(str(path), framework="pt")
+        handle.return_value = mock.Mock(get_slice=real.get_slice,
+                                        get_tensor=mock.Mock(side_effect=AssertionError("read whole")))
+        got = WeightFiles.open(path).read_piece("p", member, rank, block)
+    assert torch.equal(got, member_piece(member, full.chunk(tp, dim)[at].float(), rank))
 
 
 def test_weights_that_do_not_fit_the_model_are_errors_naming_the_tensor_and_file(tmp_path):

@@ -1,4 +1,5 @@
-"""Checkpoints on a 2-D mesh: DCP in FSDP2 + TP's layout, both ways, exact resume, and loading at other meshes.
+"""Checkpoints and weights files on a 2-D mesh: DCP in FSDP2 + TP's layout, both ways, exact resume, loading at
+other meshes, and Hugging Face safetensors read as each rank's 2-D slice.
 
 A checkpoint names global tensors in chunks, as DTensors on a (dp, tp) mesh do: a rank's
 chunks are its FSDP shard of its tp block, placed at the block's start. So the same files
@@ -123,4 +124,22 @@ def test_a_checkpoint_of_the_data_axis_alone_loads_onto_a_2d_mesh(run_on, refere
     results = run_on(4, workers.load_and_continue, "llama_tiny", 2, path, STEPS)
     assert _mean_losses(results) == pytest.approx(ref_losses[STEPS:], rel=1e-12)
     for rank, (_losses, params, _restored) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)])
+def test_hf_weights_load_into_a_meta_model_on_a_2d_mesh_like_load_state_dict(run_on, tmp_path, world, tp):
+    import torch
+
+    from materialize_workers import load_tensors, train_torch
+    from models import CASES
+
+    weights = workers.save_llama_weights(str(tmp_path / "hf"))
+    case = CASES["llama_tiny"]
+    reference = case.build(torch.float64, seed=99)  # other values, all overwritten by the files
+    reference.load_state_dict(load_tensors(weights), strict=True)
+    ref_losses, ref_params, _ = train_torch(case, reference, "adamw", torch.float64, STEPS)
+    results = run_on(world, workers.train_from_weights, tp, weights, STEPS)
+    assert _mean_losses(results) == pytest.approx(ref_losses, rel=1e-12)
+    for rank, (_losses, params) in enumerate(results):
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"

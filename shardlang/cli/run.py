@@ -53,7 +53,6 @@ from .progress import ProgressOptions, RunReporter, print_while_read
 from ..runtime.dist import DEFAULT_COLLECTIVE_TIMEOUT_S, DistContext, init_from_env, read_env, shutdown
 from ..runtime.launcher import OutputPrefix, launch
 from ..runtime.peak_memory import MIB, PeakMemory
-from ..spec.tensor_axes import refuse_tensor_axis
 from .args import add_spec_argument, output_file, positive, seconds, spec_path
 from .common import compile_job, eval_example, global_mean, load_checked, rank_batch, shown, threads_per_rank
 
@@ -201,13 +200,6 @@ class Checkpointing:
                 f"and --steps {steps} asks for no more; pass --steps greater than {done} to train on")
 
 
-def _refuse_on_tensor_axis(job, checkpoints, args) -> None:
-    """Before any rank starts: what a mesh with a tensor axis cannot do yet (docs/tensor_parallel.md)."""
-    axes = job.spec.mesh.axis_names
-    if args.weights:
-        refuse_tensor_axis(axes, f"--weights {args.weights}")
-
-
 def main(args) -> int:
     """Train the job (``args`` from `add_parser`); the exit code."""
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
@@ -217,7 +209,6 @@ def main(args) -> int:
                             "drop --nproc or make them equal")
         job = _load(args, world)
         checkpoints = Checkpointing.from_args(args)
-        _refuse_on_tensor_axis(job, checkpoints, args)
         if _nothing_to_do(checkpoints, args.steps, read_env().rank == 0):
             return 0
         ctx = init_from_env(timeout_s=args.timeout)
@@ -229,7 +220,6 @@ def main(args) -> int:
     nproc = args.nproc or 1
     job = _load(args, nproc)
     checkpoints = Checkpointing.from_args(args)
-    _refuse_on_tensor_axis(job, checkpoints, args)
     if _nothing_to_do(checkpoints, args.steps, True):
         return 0
     trace = str(Path(args.trace).resolve()) if args.trace else None

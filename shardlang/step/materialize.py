@@ -54,10 +54,10 @@ import torch
 from torch import nn
 
 from ..compiler import CompiledStep, FlatParam, member_piece, slice_spans
-from ..errors import ShardlangRuntimeError, SpecError
+from ..errors import SpecError
 from .state import TrainState, optimizer_slice, shard_coordinate, tensor_local
 from ..spec.units import ROOT_UNIT, unit_label, unit_of
-from .weights import WeightFiles
+from .weights import Block, WeightFiles
 
 InitWeights = Callable[[nn.Module], None]
 
@@ -120,12 +120,7 @@ def materialize(compiled: CompiledStep, model: nn.Module, rank: int, device: tor
     files, from_file = _open_weights(init, model)
     tensors.check_initialisable(init.init_weights, from_file)
     coordinate = shard_coordinate(compiled, rank)
-    local = tensor_local(compiled, rank)
-    if compiled.context.config.tensor is not None and files is not None:
-        raise ShardlangRuntimeError(
-            f"weights={init.weights!r}: loading weights files into a step with tensor axis "
-            f"{compiled.context.config.tensor.name!r} is not supported yet; load them into the model first "
-            "(built on the CPU), or train on data axes alone")
+    local, block = tensor_local(compiled, rank), _tensor_block(compiled, rank)
     units = list(dict.fromkeys(f.unit for f in compiled.flats))
     buffer_unit = {name: unit_of(name, set(units)) for name in tensors.buffer_names}
     units += [u for u in dict.fromkeys(buffer_unit.values()) if u not in units]
@@ -136,7 +131,8 @@ def materialize(compiled: CompiledStep, model: nn.Module, rank: int, device: tor
         names = [m.name for f in flats for m in f.members] + [b for b, u in buffer_unit.items() if u == unit]
         with tensors.values_of(names, init, from_file) as values:
             for flat in flats:
-                flat_tensors[flat.name] = _storage(flat, local(values), files, from_file, coordinate(flat)).to(device)
+                flat_tensors[flat.name] = _storage(flat, local(values), files, from_file, coordinate(flat),
+                                                   block).to(device)
             for name in names:
                 if name in buffer_unit:
                     buffers[name] = (files.read(from_file[name], tensors.current(name).dtype) if name in from_file
@@ -192,16 +188,35 @@ def _open_weights(init: Init, model: nn.Module) -> tuple[WeightFiles | None, dic
     return files, {**params, **buffers}
 
 
+def _tensor_block(compiled: CompiledStep, rank: int) -> Callable[[str], Block | None]:
+    """Parameter name -> the `Block` of it ``rank`` holds on the tensor axis (None: it holds the whole)."""
+    config = compiled.context.config
+    axis = config.tensor
+    if axis is None:
+        return lambda name: None
+    at = compiled.context.world_mesh.coordinate(rank)[axis.name]
+    shapes = {p.name: tuple(p.shape) for p in config.params}
+
+    def block(name: str) -> Block | None:
+        dim = axis.split_dim(name)
+        if dim is None:
+            return None
+        size = shapes[name][dim] // axis.size
+        return Block(dim, at * size, size)
+
+    return block
+
+
 def _storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFiles | None, from_file: dict[str, str],
-             rank: int) -> torch.Tensor:
+             rank: int, block: Callable[[str], Block | None]) -> torch.Tensor:
     """This rank's parameter storage for ``flat``: its members' pieces, concatenated and padded (Note [shard layout]).
 
     In the whole layout under ZeRO-3 / ZeRO-2, the part of each member inside this rank's slice
     (Note [whole-flat shards]).
     """
     if flat.params_sharded and flat.whole_layout:
-        return _slice_storage(flat, values, files, from_file, rank)
-    pieces = [files.read_piece(from_file[m.name], m, rank) if m.name in from_file
+        return _slice_storage(flat, values, files, from_file, rank, block)
+    pieces = [files.read_piece(from_file[m.name], m, rank, block(m.name)) if m.name in from_file
               else member_piece(m, values[m.name].detach(), rank) for m in flat.members]
     out = torch.cat(pieces) if pieces else torch.empty(0, dtype=flat.dtype)
     return torch.nn.functional.pad(out, (0, flat.storage_numel - out.numel())) if out.numel() < flat.storage_numel \
@@ -209,9 +224,9 @@ def _storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFile
 
 
 def _slice_storage(flat: FlatParam, values: dict[str, torch.Tensor], files: WeightFiles | None,
-                   from_file: dict[str, str], rank: int) -> torch.Tensor:
+                   from_file: dict[str, str], rank: int, block: Callable[[str], Block | None]) -> torch.Tensor:
     """Slice ``rank`` of the whole flat, built from the members' ranges inside it (Note [whole-flat shards])."""
-    parts = [files.read_range(from_file[m.name], m.info, lo, hi) if m.name in from_file
+    parts = [files.read_range(from_file[m.name], m.info, lo, hi, block(m.name)) if m.name in from_file
              else values[m.name].detach().reshape(-1)[lo:hi] for m, lo, hi in slice_spans(flat, rank)]
     out = torch.cat(parts) if parts else torch.empty(0, dtype=flat.dtype)
     size = flat.shard_numel

@@ -12,7 +12,10 @@ cuts from the full tensor (Note [shard layout]), reading only the rows it
 needs: a flat piece is a range of the flattened tensor, read as the few rows of
 dim 0 that cover it; a piece along dim d is a slice on d; a replicated member,
 or any member of a strategy that holds the whole (ZeRO-1, DDP), is read whole.
-Padding is zeros added after reading, never read.
+Padding is zeros added after reading, never read. On a mesh with a tensor axis
+a member is a rank's tp block of the tensor (a `Block`: a slice on one dim), and
+every read above is of that block: its slices are moved by the block's start,
+so a rank reads its FSDP piece of its tp block and nothing more.
 
 Names: the file may name a tied parameter by any of its names
 (``model.named_parameters(remove_duplicate=False)``): GPT-2 checkpoints keep
@@ -33,10 +36,23 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import torch
 
 from ..compiler import LayoutKind, Member
 from ..errors import SpecError
+
+
+@attrs.frozen
+class Block:
+    """The part of a tensor a rank of a tensor axis holds: ``size`` entries of ``dim`` from ``start``.
+
+    Example: tp rank 1 of 2 of an ``(8, 4)`` weight split on dim 0 holds ``Block(dim=0, start=4, size=4)``.
+    """
+
+    dim: int
+    start: int
+    size: int
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -161,45 +177,60 @@ class WeightFiles:
                             f"model's {canonical_name!r} is {str(dtype).removeprefix('torch.')} ({want}). Weights "
                             f"of another float width convert; {have} values are never cast to {want}")
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor ``name`` whole, in ``dtype``."""
-        return self._handle(name).get_tensor(name).to(dtype)
+    def read(self, name: str, dtype: torch.dtype, block: Block | None = None) -> torch.Tensor:
+        """Tensor ``name`` whole (or its ``block``), in ``dtype``."""
+        if block is None:
+            return self._handle(name).get_tensor(name).to(dtype)
+        return self._get(name, (), block).to(dtype)
 
-    def read_piece(self, name: str, member: Member, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s piece of ``member`` from tensor ``name``, flattened and padded (Note [reading shards])."""
+    def _get(self, name: str, index: tuple[slice, ...], block: Block | None) -> torch.Tensor:
+        """``tensor[index]`` read lazily; with a ``block``, ``index`` is into the block (Note [reading shards])."""
+        if block is not None:
+            index = list(index) + [slice(None)] * (block.dim + 1 - len(index))
+            within = index[block.dim]
+            lo, hi = within.start or 0, block.size if within.stop is None else within.stop
+            index[block.dim] = slice(block.start + lo, block.start + hi)
+        return self._handle(name).get_slice(name)[tuple(index)]
+
+    def read_piece(self, name: str, member: Member, rank: int, block: Block | None = None) -> torch.Tensor:
+        """Rank ``rank``'s piece of ``member`` from tensor ``name`` (or from its tp ``block``, which ``member``
+        is), flattened and padded (Note [reading shards])."""
         dtype = member.info.dtype
         if member.kind is LayoutKind.REPLICATE or member.world == 1:
-            return self.read(name, dtype).reshape(-1)
+            return self.read(name, dtype, block).reshape(-1)
         shape = member.info.shape
         if member.kind is LayoutKind.SHARD_FLAT:
             c = member.piece_numel
             lo, hi = min(rank * c, member.info.numel), min((rank + 1) * c, member.info.numel)
-            return _pad(self._read_range(name, shape, lo, hi).to(dtype), c)
+            return _pad(self._read_range(name, shape, lo, hi, block).to(dtype), c)
         d, k = member.dim, member.local_shape[member.dim]
         lo, hi = min(rank * k, shape[d]), min((rank + 1) * k, shape[d])
         index = (slice(None),) * d + (slice(lo, hi),)
-        slab = self._handle(name).get_slice(name)[index].to(dtype)
+        slab = self._get(name, index, block).to(dtype)
         if hi - lo < k:
             pad = [0, 0] * (len(shape) - d - 1) + [0, k - (hi - lo)]
             slab = torch.nn.functional.pad(slab, pad)
         return slab.reshape(-1)
 
-    def read_range(self, name: str, info, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of tensor ``name`` flattened, in the dtype of parameter ``info`` (`ParamInfo`).
+    def read_range(self, name: str, info, lo: int, hi: int, block: Block | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` (or of its ``block``) flattened, in the dtype of parameter
+        ``info`` (`ParamInfo`, at the block's shape).
 
         A rank's part of a member in a whole flat (Note [whole-flat shards] in `compiler.layout.flat`).
         """
-        return self._read_range(name, tuple(info.shape), lo, hi).to(info.dtype)
+        return self._read_range(name, tuple(info.shape), lo, hi, block).to(info.dtype)
 
-    def _read_range(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor, reading only the rows of dim 0 that hold them."""
+    def _read_range(self, name: str, shape: tuple[int, ...], lo: int, hi: int,
+                    block: Block | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor (or ``block``, of ``shape``), reading only the rows of
+        dim 0 that hold them."""
         if hi <= lo:  # this rank's piece is all padding
             return torch.empty(0)
         if len(shape) == 0:
             return self._handle(name).get_tensor(name).reshape(-1)[lo:hi]
         row = math.prod(shape[1:])
         first, last = lo // row, -(-hi // row)
-        rows = self._handle(name).get_slice(name)[first:last].reshape(-1)
+        rows = self._get(name, (slice(first, last),), block).reshape(-1)
         return rows[lo - first * row : hi - first * row]
 
 
