@@ -50,6 +50,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from shardlang.errors import SpecError
 from ..ir.graph_utils import is_alias_op
 from ..ir.tags import NodeKind, kind_of
+from ..layout.placement import WORLD
 from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 
 _aten = torch.ops.aten
@@ -217,6 +218,10 @@ class Timeline:
             f"({self.model['compute']['flops_per_s'] / 1e12:g} TFLOP/s, "
             f"{self.model['compute']['bytes_per_s'] / 1e9:g} GB/s, {self.model['compute']['op_overhead_s'] * 1e6:g} us/op)",
         ]
+        if self.model.get("axis_links"):
+            lines.append("  links per axis: " + ", ".join(
+                f"{axis} {m['name']} (alpha {m['alpha_s'] * 1e6:g} us, {m['bandwidth'] / 1e9:g} GB/s)"
+                for axis, m in self.model["axis_links"].items()) + "; other axes on the link above")
         return "\n".join(lines)
 
 
@@ -242,9 +247,26 @@ class CostModel:
     fused: bool = False  # Note [fused compute]
     # Note [contention]: how many times as long compute takes while a collective is in flight (1.0: not at all)
     contention: float = attrs.field(default=1.0, validator=attrs.validators.ge(1.0))
+    # Note [links per axis]: (axis, link) pairs; an axis left out runs on ``link``
+    axis_links: tuple[tuple[str, LinkModel], ...] = attrs.field(
+        default=(), converter=lambda links: tuple(sorted(dict(links).items())))
 
-    def collective_time(self, kind: str, world_size: int, payload: int) -> float:
-        return self.link.time(kind, world_size, payload)
+    def collective_time(self, kind: str, world_size: int, payload: int, axes: tuple[str, ...] = ()) -> float:
+        """Seconds for one collective over ``world_size`` ranks of the mesh ``axes`` (none given: ``link``'s).
+
+        Note [links per axis]: a mesh's axes may ride different links (tp on NVLink
+        inside a node, fsdp on InfiniBand between nodes). A collective over one
+        axis runs on that axis's link; a ring over several axes crosses each of
+        their links, so it takes as long as on the slowest of them.
+        """
+        links = dict(self.axis_links)
+        if not links or not axes:
+            return self.link.time(kind, world_size, payload)
+        return max(links.get(a, self.link).time(kind, world_size, payload) for a in axes)
+
+    def link_of(self, axis: str) -> LinkModel:
+        """The link collectives over mesh axis ``axis`` run on."""
+        return dict(self.axis_links).get(axis, self.link)
 
     def _contended(self, work_s: float, busy_s: float) -> float:
         """Seconds that ``work_s`` of compute takes when the link stays busy for ``busy_s`` more (Note [contention]).
@@ -277,7 +299,8 @@ class CostModel:
                 kind = op.kind.value
                 lane_free = max(link_free.values()) if self.serialize_collectives else link_free[kind]
                 begin = max(clock, lane_free)
-                duration = self.collective_time(kind, getattr(op, "group_size", 0) or schedule.world_size, op.bytes)
+                duration = self.collective_time(kind, getattr(op, "group_size", 0) or schedule.world_size, op.bytes,
+                                                group_axes(schedule, getattr(op, "group", None)))
                 link_free[kind] = begin + duration
                 done[op.handle] = begin + duration
                 comm[kind] += duration
@@ -299,6 +322,7 @@ class CostModel:
             world_size=schedule.world_size, spans=tuple(spans), op_start_s=tuple(starts), op_end_s=tuple(ends),
             step_time_s=clock, compute_s=compute_s, comm_s=comm, exposed_comm_s=exposed,
             model={"link": attrs.asdict(self.link), "compute": attrs.asdict(self.compute),
+                   "axis_links": {a: attrs.asdict(link) for a, link in self.axis_links},
                    "serialize_collectives": self.serialize_collectives, "contention": self.contention,
                    "fusion": None if fusion is None else fusion.summary()},
         )
@@ -384,6 +408,15 @@ def _pointwise(node: fx.Node) -> bool:
     tags = getattr(target, "tags", ())
     schema = getattr(target, "_schema", None)
     return torch.Tag.pointwise in tags and not (schema is not None and schema.is_mutable)
+
+
+def group_axes(schedule: Schedule, group: str | None) -> tuple[str, ...]:
+    """The mesh axes a collective's group spans: ``"*"`` is every data axis (the tensor axis has its own name)."""
+    if group is None:
+        return ()
+    if group == WORLD:
+        return tuple(name for name, _ in schedule.mesh)
+    return tuple(group.split("+"))
 
 
 def op_name(op) -> str:

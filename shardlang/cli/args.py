@@ -142,11 +142,59 @@ def world_sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))
 
 
+@attrs.frozen
+class LinkPresets:
+    """``--link``: the preset of every axis not named, and (axis, preset) pairs. Example: ``tp=nvlink,infiniband``."""
+
+    given: str | None  # the preset given without an axis
+    axes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def default(self) -> str:
+        """The preset of an axis not named: the one given without an axis, else the first axis's, else gloo's."""
+        return self.given or (self.axes[0][1] if self.axes else "gloo-loopback")
+
+    def __str__(self) -> str:
+        return ",".join(([self.given] if self.given else []) + [f"{a}={p}" for a, p in self.axes])
+
+    def check_axes(self, mesh_axes, where: str) -> None:
+        """A `SpecError` for an axis that is not one of ``mesh_axes`` (the spec's, named by ``where``)."""
+        from ..errors import SpecError
+
+        for axis, _ in self.axes:
+            if axis not in mesh_axes:
+                raise SpecError(f"--link {self}: axis {axis!r} is not an axis of {where}'s mesh "
+                                f"({', '.join(mesh_axes)}); name those axes, or give one preset for all")
+
+
+def link_presets(text: str) -> LinkPresets:
+    """Parse ``--link``: ``nvlink``, or ``tp=nvlink,fsdp=infiniband``, or both kinds (``infiniband,tp=nvlink``)."""
+    default, axes = None, {}
+    for part in (p.strip() for p in text.split(",")):
+        axis, _, preset = part.rpartition("=")
+        if preset not in LINK_PRESETS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {preset!r} is not a link preset; presets: "
+                                             f"{', '.join(sorted(LINK_PRESETS))} (one for every axis, or "
+                                             "axis=preset pairs, e.g. tp=nvlink,fsdp=infiniband)")
+        if not axis:
+            if default is not None:
+                raise argparse.ArgumentTypeError(f"{text!r} gives two presets without an axis ({default!r} and "
+                                                 f"{preset!r}); name the axis of each: tp=nvlink,fsdp=infiniband")
+            default = preset
+        elif axis in axes:
+            raise argparse.ArgumentTypeError(f"{text!r} names axis {axis!r} twice")
+        else:
+            axes[axis] = preset
+    return LinkPresets(default, tuple(axes.items()))
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The cost model's knobs (docs/plan.md, "The knobs")."""
     group = parser.add_argument_group("cost model")
-    group.add_argument("--link", choices=sorted(LINK_PRESETS), default="gloo-loopback",
-                       help="link preset for the alpha-beta model (default gloo-loopback)")
+    group.add_argument("--link", type=link_presets, default=LinkPresets("gloo-loopback"), metavar="PRESET",
+                       help="link preset for the alpha-beta model (default gloo-loopback), or one per mesh axis: "
+                            "tp=nvlink,fsdp=infiniband (an axis left out takes the preset given without an axis, "
+                            f"else the first axis's); presets: {', '.join(sorted(LINK_PRESETS))}")
     group.add_argument("--compute", choices=sorted(COMPUTE_PRESETS), default="cpu",
                        help="compute preset for the roofline (default cpu)")
     group.add_argument("--alpha", metavar="SECONDS", type=nonnegative_float("a latency"), default=None,
@@ -177,12 +225,14 @@ def cost_model(args) -> CostModel:
 
         calibrated = read_calibration(args.calibration)
         link, device, contention = calibrated.link, calibrated.compute, calibrated.contention
+        axis_links = dict(calibrated.axis_links)
     else:
-        link, device = LINK_PRESETS[args.link], COMPUTE_PRESETS[args.compute]
-    if args.alpha is not None:
+        link, device = LINK_PRESETS[args.link.default], COMPUTE_PRESETS[args.compute]
+        axis_links = {axis: LINK_PRESETS[preset] for axis, preset in args.link.axes}
+    if args.alpha is not None:  # the link of every axis --link does not name
         link = attrs.evolve(link, alpha_s=args.alpha)
     if args.bandwidth is not None:
         link = attrs.evolve(link, bandwidth=args.bandwidth)
     if args.flops is not None:
         device = attrs.evolve(device, flops_per_s=args.flops)
-    return CostModel(link=link, compute=device, contention=contention)
+    return CostModel(link=link, compute=device, contention=contention, axis_links=axis_links)

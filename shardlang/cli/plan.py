@@ -73,6 +73,9 @@ def main(args) -> int:
     # With --json, stdout carries the JSON object only: whatever the job file prints goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     model = cost_model(args)
+    if args.link.axes:  # before compiling: an axis the mesh lacks is a typo
+        linked = load_job(args.file, spec_path(args))
+        args.link.check_axes(linked.spec.mesh.axis_names, shown(linked.path))
     with quiet:
         job, plan = plan_job(args.file, args.world, model, memory_budget=step_memory_budget(args),
                              recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval,

@@ -31,6 +31,12 @@ Note [calibration]: short probes on the real backend, N local ranks:
   step is more arithmetic or more per-node overhead than the 10M GPT's is
   predicted better by a factor fitted on itself.
 
+Note [links per axis] in `compiler.analysis.cost`: with a mesh (``--mesh fsdp=2,tp=2``) the link is
+probed on every axis's own groups too (each rank in its group of that axis, all
+groups at once, as a step's collectives of one axis run), and fitted per axis
+over that axis's size. The calibration then holds a link per axis beside the
+world's; ``plan`` and ``tune`` cost each collective on its axis's link.
+
 Note [the runtime's share]: the memory plan counts the step's tensors; a
 process running it holds more (the compiled graphs, gloo's buffers, Python's
 and torch's own allocations). On that same step, one more step runs with
@@ -84,6 +90,20 @@ SCALE_LIMITS = (0.25, 8.0)  # the step factor's range: a step outside it is not 
 
 
 @attrs.frozen
+class AxisLink:
+    """One mesh axis's link as `calibrate` fitted it on that axis's groups of ``size`` ranks, and its samples."""
+
+    axis: str
+    size: int
+    link: LinkModel
+    samples: tuple[tuple[str, int, float], ...]
+
+    def fit_error(self) -> float:
+        """The largest relative error of the fit over its samples."""
+        return max(abs(self.link.time(k, self.size, b) / t - 1) for k, b, t in self.samples)
+
+
+@attrs.frozen
 class Calibration:
     """What `calibrate` measured: the fitted link and compute models, the contention, and the raw samples."""
 
@@ -95,16 +115,21 @@ class Calibration:
     samples: tuple[tuple[str, int, float], ...]  # (kind, payload bytes, seconds)
     step_fit: dict | None = None  # {"job", "measured_s", "predicted_s" (unscaled), "scale"}: the step at world_size
     runtime_bytes: int = 0  # Note [the runtime's share]: bytes in use at the step's peak beyond its plan
+    axes: tuple[AxisLink, ...] = ()  # Note [links per axis]: each axis's fitted link, with a mesh
 
     def cost_model(self) -> CostModel:
-        return CostModel(link=self.link, compute=self.compute, contention=self.contention)
+        return CostModel(link=self.link, compute=self.compute, contention=self.contention,
+                         axis_links={a.axis: a.link for a in self.axes})
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": VERSION, "world_size": self.world_size,
                            "threads": self.threads, "link": attrs.asdict(self.link),
                            "compute": attrs.asdict(self.compute), "compute_slowdown_under_comm": self.contention,
                            "step_fit": self.step_fit, "runtime_bytes": self.runtime_bytes,
-                           "samples": [list(s) for s in self.samples]}, indent=1) + "\n"
+                           "samples": [list(s) for s in self.samples],
+                           **({"axis_links": {a.axis: {**attrs.asdict(a.link), "ranks": a.size,
+                                                       "samples": [list(x) for x in a.samples]}
+                                              for a in self.axes}} if self.axes else {})}, indent=1) + "\n"
 
     def summary(self) -> str:
         lines = [f"link ({self.link.backend}, {self.world_size} ranks): alpha {self.link.alpha_s * 1e6:.1f} us per "
@@ -135,6 +160,10 @@ class Calibration:
         lines.append(f"the link's fit is within {100 * error(worst):.0f}% of each of its {len(self.samples)} samples "
                      f"(the farthest: {kind} of {human_bytes(payload)}, measured {seconds * 1e3:.2f} ms, fitted "
                      f"{fit.time(kind, self.world_size, payload) * 1e3:.2f} ms)")
+        for a in self.axes:
+            lines.append(f"link of axis {a.axis!r} (its groups of {a.size} ranks): alpha {a.link.alpha_s * 1e6:.1f} us "
+                         f"per ring step, {a.link.bandwidth / 1e9:.2f} GB/s; within {100 * a.fit_error():.0f}% of "
+                         f"its {len(a.samples)} samples")
         return "\n".join(lines)
 
 
@@ -151,23 +180,34 @@ def probe_payloads(largest: int = PAYLOADS[-1]) -> tuple[int, ...]:
 
 
 def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None,
-              payloads: tuple[int, ...] = PAYLOADS) -> Calibration:
+              payloads: tuple[int, ...] = PAYLOADS, mesh: tuple[tuple[str, int], ...] = ()) -> Calibration:
     """Measure the link on ``nproc`` local ranks at ``payloads`` and the compute with the threads one of them
-    gets; the step factor on ``job``'s step (default: the 10M GPT's)."""
+    gets; the step factor on ``job``'s step (default: the 10M GPT's). With ``mesh`` (axes and sizes whose
+    product is ``nproc``), the link of each axis of more than one rank too (Note [links per axis])."""
     from ..cli.common import threads_per_rank
     from ..runtime.launcher import launch
 
     if nproc < 2:
         raise SpecError(f"--nproc {nproc}: measuring a link needs at least 2 ranks")
+    if mesh and math.prod(size for _, size in mesh) != nproc:
+        raise SpecError(f"--mesh {_mesh_text(mesh)} has {math.prod(size for _, size in mesh)} ranks and --nproc is "
+                        f"{nproc}; give axes whose sizes multiply to {nproc}")
     job = job or StepJob()
     threads = threads_per_rank(nproc)
-    results = launch(probe_rank, nproc, reps, payloads, timeout=None, threads=threads, name="shardlang calibrate")
-    samples = tuple((kind, payload, max(r["link"][f"{kind}/{payload}"] for r in results))
-                    for kind in KINDS for payload in payloads)
+    results = launch(probe_rank, nproc, reps, payloads, mesh, timeout=None, threads=threads,
+                     name="shardlang calibrate")
     backend = results[0]["backend"]
-    alpha, bandwidth = fit_link(samples, nproc, gloo=backend == "gloo")
-    link = LinkModel(f"calibrated-{backend}", alpha_s=alpha, bandwidth=bandwidth, backend=backend,
-                     reduce_scatter_as_all_reduce=backend == "gloo")
+
+    def fitted(times: str, size: int, name: str) -> tuple[LinkModel, tuple]:
+        samples = tuple((kind, payload, max(r[times][f"{kind}/{payload}"] for r in results))
+                        for kind in KINDS for payload in payloads)
+        alpha, bandwidth = fit_link(samples, size, gloo=backend == "gloo")
+        return LinkModel(name, alpha_s=alpha, bandwidth=bandwidth, backend=backend,
+                         reduce_scatter_as_all_reduce=backend == "gloo"), samples
+
+    link, samples = fitted("link", nproc, f"calibrated-{backend}")
+    axes = tuple(AxisLink(axis, size, *fitted(f"axis:{axis}", size, f"calibrated-{backend}-{axis}"))
+                 for axis, size in mesh if size > 1)
     fields = ("flops_per_s", "bytes_per_s", "op_overhead_s", "view_overhead_s")
     compute = ComputeModel("calibrated-cpu", **{f: statistics.median(r["compute"][f] for r in results)
                                                 for f in fields})
@@ -176,7 +216,12 @@ def calibrate(nproc: int = 2, reps: int = 9, job: StepJob | None = None,
     fit = launch(step_rank, nproc, probed, reps, job, timeout=None, threads=threads,
                  name=f"shardlang calibrate: {job.name}'s step")[0]
     runtime = fit.pop("runtime_bytes")
-    return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit, runtime)
+    return Calibration(link, scaled_compute(compute, fit["scale"]), contention, nproc, threads, samples, fit, runtime,
+                       axes)
+
+
+def _mesh_text(mesh) -> str:
+    return ",".join(f"{name}={size}" for name, size in mesh)
 
 
 @attrs.frozen
@@ -244,11 +289,29 @@ def compute_scale(model: CostModel, predict, measured_s: float, low: float = SCA
     return math.sqrt(low * high)
 
 
-def probe_rank(ctx, reps: int, payloads: tuple[int, ...] = PAYLOADS) -> dict:
-    """One rank's probes (module level: the launcher pickles it by reference): link times and contention."""
+def probe_rank(ctx, reps: int, payloads: tuple[int, ...] = PAYLOADS, mesh: tuple[tuple[str, int], ...] = ()) -> dict:
+    """One rank's probes (module level: the launcher pickles it by reference): link times (the world's, and
+    with ``mesh`` each axis's, as ``"axis:<name>"``) and contention."""
+    from ..compiler import MeshShape
+    from ..runtime.groups import mesh_groups
+
+    out = {"link": _link_times(ctx, dist.group.WORLD, ctx.world_size, reps, payloads)}
+    shape = MeshShape(tuple(mesh)) if mesh else None
+    for axis, size in mesh:
+        if size > 1:
+            group = mesh_groups(shape, [axis], ctx.rank, ctx.timeout_s)[axis]
+            out[f"axis:{axis}"] = _link_times(ctx, group, size, reps, payloads)
+    contention = _contention(ctx, reps)
+    dist.barrier()  # every rank measures its compute at once, as ranks compute side by side in a step
+    compute = calibrate_compute(torch.get_num_threads(), reps)
+    return {**out, "contention": contention, "backend": ctx.backend.value, "compute": attrs.asdict(compute)}
+
+
+def _link_times(ctx, group, n: int, reps: int, payloads: tuple[int, ...]) -> dict[str, float]:
+    """``"<kind>/<payload>"`` -> seconds of one collective on ``group`` (``n`` ranks), every group at once: the
+    median of the quicker third of ``reps`` issue + wait after a barrier of the world."""
     c10d = torch.ops._c10d_functional
-    group = dist.group.WORLD.group_name
-    n = ctx.world_size
+    name = group.group_name
     times = {}
     for kind in KINDS:
         for payload in payloads:
@@ -257,17 +320,13 @@ def probe_rank(ctx, reps: int, payloads: tuple[int, ...] = PAYLOADS) -> dict:
             for _ in range(reps + 2):
                 dist.barrier()
                 begin = time.perf_counter()
-                y = (c10d.all_gather_into_tensor(x, n, group) if kind == "all_gather" else
-                     c10d.reduce_scatter_tensor(x, "sum", n, group) if kind == "reduce_scatter" else
-                     c10d.all_reduce(x, "sum", group))
+                y = (c10d.all_gather_into_tensor(x, n, name) if kind == "all_gather" else
+                     c10d.reduce_scatter_tensor(x, "sum", n, name) if kind == "reduce_scatter" else
+                     c10d.all_reduce(x, "sum", name))
                 c10d.wait_tensor(y)
                 runs.append(time.perf_counter() - begin)
             times[f"{kind}/{payload}"] = statistics.median(sorted(runs[2:])[: max(1, reps // 3)])
-    contention = _contention(ctx, reps)
-    dist.barrier()  # every rank measures its compute at once, as ranks compute side by side in a step
-    compute = calibrate_compute(torch.get_num_threads(), reps)
-    return {"link": times, "contention": contention, "backend": ctx.backend.value,
-            "compute": attrs.asdict(compute)}
+    return times
 
 
 def _contention(ctx, reps: int) -> float:
@@ -414,20 +473,28 @@ def read_calibration(path: str | Path) -> CostModel:
                             f"{'>' if strict else '>='} {least:g}")
         return float(value)
 
-    link, compute = raw.get("link"), raw.get("compute")
-    backend = link.get("backend") if isinstance(link, dict) else None
-    if backend not in ("gloo", "nccl"):
-        raise SpecError(f"--calibration {path}: link.backend is {backend!r}; expected 'gloo' or 'nccl'")
-    link_model = LinkModel(str(link.get("name", "calibrated")), alpha_s=number(link, "alpha_s", "link"),
-                           bandwidth=number(link, "bandwidth", "link", strict=True), backend=backend,
-                           reduce_scatter_as_all_reduce=bool(link.get("reduce_scatter_as_all_reduce", False)))
+    def link_of(link: object, where: str) -> LinkModel:
+        backend = link.get("backend") if isinstance(link, dict) else None
+        if backend not in ("gloo", "nccl"):
+            raise SpecError(f"--calibration {path}: {where}.backend is {backend!r}; expected 'gloo' or 'nccl'")
+        return LinkModel(str(link.get("name", "calibrated")), alpha_s=number(link, "alpha_s", where),
+                         bandwidth=number(link, "bandwidth", where, strict=True), backend=backend,
+                         reduce_scatter_as_all_reduce=bool(link.get("reduce_scatter_as_all_reduce", False)))
+
+    compute = raw.get("compute")
+    link_model = link_of(raw.get("link"), "link")
+    per_axis = raw.get("axis_links", {})
+    if not isinstance(per_axis, dict) or not all(isinstance(a, str) and a for a in per_axis):
+        raise SpecError(f"--calibration {path}: axis_links is {type(per_axis).__name__}; expected an object of "
+                        "axis name -> link")
+    axis_links = {axis: link_of(link, f"axis_links.{axis}") for axis, link in per_axis.items()}
     compute_model = ComputeModel(str(compute.get("name", "calibrated") if isinstance(compute, dict) else ""),
                                  flops_per_s=number(compute, "flops_per_s", "compute", strict=True),
                                  bytes_per_s=number(compute, "bytes_per_s", "compute", strict=True),
                                  op_overhead_s=number(compute, "op_overhead_s", "compute"),
                                  view_overhead_s=number(compute, "view_overhead_s", "compute"))
     contention = number(raw, "compute_slowdown_under_comm", "calibration", least=1.0)
-    return CostModel(link=link_model, compute=compute_model, contention=contention)
+    return CostModel(link=link_model, compute=compute_model, contention=contention, axis_links=axis_links)
 
 
 def beyond_probes(largest: int, path: str | Path) -> str | None:

@@ -589,11 +589,15 @@ def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], worl
 
     Note [step floor]. ``regathered``: the flat parameters ZeRO-3 gathers again for backward.
     """
+    # Each collective is timed on the fastest of the mesh's links (Note [links per axis]), so the floor stays a
+    # floor whichever axes it spans: pruning by it never drops a layout the schedule would time faster.
+    axes = [(a,) for a in mesh] or [()]
     lanes: dict[str, float] = {}
     for f in flats:
         for kind, group, payload in flat_collectives(f, mesh, world, regathered=f.name in regathered):
             lane = "link" if cost_model.serialize_collectives else kind
-            lanes[lane] = lanes.get(lane, 0.0) + cost_model.collective_time(kind, group, payload)
+            fastest = min(cost_model.collective_time(kind, group, payload, a) for a in axes)
+            lanes[lane] = lanes.get(lane, 0.0) + fastest
     return max(lanes.values(), default=0.0)
 
 
