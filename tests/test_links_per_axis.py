@@ -13,7 +13,7 @@ from shardlang.cli import main
 from shardlang.cli.args import LinkPresets, link_presets
 from shardlang.compiler import CostModel, LINK_PRESETS
 from shardlang.compiler.analysis.cost import group_axes
-from shardlang.tune.calibrate import read_calibration
+from shardlang.tune.calibrate import probe_payloads, read_calibration
 import tensor_parallel_workers as workers
 
 NVLINK, IB = LINK_PRESETS["nvlink"], LINK_PRESETS["infiniband"]
@@ -84,13 +84,13 @@ def test_plan_costs_each_axis_on_its_link_and_names_an_axis_the_mesh_lacks(capsy
 def test_calibrate_with_a_mesh_fits_a_link_per_axis_that_plan_takes(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("GPT_SIZE", "tiny")  # the step fit on the tiny GPT: quick
     out = tmp_path / "machine.json"
-    assert main(["calibrate", "--nproc", "4", "--reps", "2", "--max-payload", "256KiB", "--mesh", "fsdp=-1,tp=2",
+    assert main(["calibrate", "--nproc", "4", "--reps", "2", "--max-payload", "1MiB", "--mesh", "fsdp=-1,tp=2",
                  "--job", str(EXAMPLES / "gpt.py"), "--out", str(out)]) == 0
     text = capfd.readouterr().out
     assert "and on the groups of fsdp, tp" in text and "link of axis 'tp' (its groups of 2 ranks)" in text
     raw = json.loads(out.read_text())
     assert set(raw["axis_links"]) == {"fsdp", "tp"}
-    assert all(a["ranks"] == 2 and len(a["samples"]) == 6 for a in raw["axis_links"].values())
+    assert all(a["ranks"] == 2 and len(a["samples"]) == 3 * len(probe_payloads(2**20)) for a in raw["axis_links"].values())
     model = read_calibration(out)
     assert dict(model.axis_links)["tp"].bandwidth == raw["axis_links"]["tp"]["bandwidth"]
     assert main(["plan", str(EXAMPLES / "llama.py"), "--spec", str(EXAMPLES / "llama_tp.toml"), "--world", "4",
