@@ -259,14 +259,13 @@ class CostModel:
         axis runs on that axis's link; a ring over several axes crosses each of
         their links, so it takes as long as on the slowest of them.
         """
-        links = dict(self.axis_links)
-        if not links or not axes:
+        if not self.axis_links or not axes:
             return self.link.time(kind, world_size, payload)
-        return max(links.get(a, self.link).time(kind, world_size, payload) for a in axes)
+        return max(self.link_of(a).time(kind, world_size, payload) for a in axes)
 
     def link_of(self, axis: str) -> LinkModel:
         """The link collectives over mesh axis ``axis`` run on."""
-        return dict(self.axis_links).get(axis, self.link)
+        return next((link for name, link in self.axis_links if name == axis), self.link)
 
     def _contended(self, work_s: float, busy_s: float) -> float:
         """Seconds that ``work_s`` of compute takes when the link stays busy for ``busy_s`` more (Note [contention]).

@@ -73,13 +73,11 @@ def main(args) -> int:
     # With --json, stdout carries the JSON object only: whatever the job file prints goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     model = cost_model(args)
-    if args.link.axes:  # before compiling: an axis the mesh lacks is a typo
-        linked = load_job(args.file, spec_path(args))
-        args.link.check_axes(linked.spec.mesh.axis_names, shown(linked.path))
     with quiet:
-        job, plan = plan_job(args.file, args.world, model, memory_budget=step_memory_budget(args),
-                             recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval,
-                             spec_file=spec_path(args))
+        job = load_job(args.file, spec_path(args))
+        args.link.check_axes(job.spec.mesh.axis_names, shown(job.path))  # before compiling: a typo'd axis
+        plan = plan_loaded(job, args.world, model, memory_budget=step_memory_budget(args),
+                           recompute=args.recompute, batch_step=args.batch_step, evaluate=args.eval)
         _write_pictures(args, plan)
     note = beyond_probes(plan.schedule.largest_collective, args.calibration) if args.calibration else None
     if args.json:
@@ -111,15 +109,21 @@ def plan_job(path, world: int, model: CostModel, memory_budget: int | None = Non
     (Note [same collectives for every shape] in `shardlang.step.variants`). With ``evaluate``, the plan
     of the step's evaluation, on ``make_eval_batch(0)``'s shapes when the job defines it.
     """
+    job = load_job(path, spec_file)
+    return job, plan_loaded(job, world, model, memory_budget, recompute, batch_step, evaluate)
+
+
+def plan_loaded(job, world: int, model: CostModel, memory_budget: int | None = None, recompute=None,
+                batch_step: int = 0, evaluate: bool = False):
+    """`plan_job`'s `Plan` for a job already loaded (`load_job`)."""
     from ..compiler import make_plan
 
-    job = load_job(path, spec_file)
     spec = job.spec
     if recompute is not None:
         spec = attrs.evolve(spec, recompute=recompute)
     if memory_budget is not None:
         spec = attrs.evolve(spec, options=attrs.evolve(spec.options, memory_budget=memory_budget))
-    return job, make_plan(_plan(job, spec, world, batch_step, evaluate, model), cost_model=model)
+    return make_plan(_plan(job, spec, world, batch_step, evaluate, model), cost_model=model)
 
 
 def _plan(job, spec, world: int, batch_step: int, evaluate: bool = False, cost_model=None):
