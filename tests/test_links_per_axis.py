@@ -100,3 +100,33 @@ def test_calibrate_with_a_mesh_fits_a_link_per_axis_that_plan_takes(tmp_path, ca
     out.write_text(json.dumps(raw))
     with pytest.raises(sl.SpecError, match=r"axis_links.tp.bandwidth is 0"):
         read_calibration(out)
+
+
+@pytest.mark.parametrize("text", ["fsdp", "fsdp=x", "fsdp=0", "fsdp=2,fsdp=2", "2=fsdp", "fsdp=-2"])
+def test_a_bad_calibrate_mesh_is_named(text):
+    from shardlang.cli.calibrate import mesh_axes
+
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"{text!r} is not a mesh: expected axis=size pairs"):
+        mesh_axes(text)
+
+
+def test_a_calibrate_mesh_of_other_ranks_than_nproc_is_refused_before_any_probe():
+    from shardlang.tune.calibrate import calibrate
+
+    with pytest.raises(sl.SpecError, match=r"--mesh fsdp=3,tp=2 has 6 ranks and --nproc is 4"):
+        calibrate(4, mesh=(("fsdp", 3), ("tp", 2)))
+
+
+def test_axis_links_that_are_not_an_object_are_named(tmp_path):
+    from shardlang.tune.calibrate import FORMAT, VERSION
+
+    good = {"format": FORMAT, "version": VERSION, "link": {"backend": "gloo", "alpha_s": 1e-5, "bandwidth": 1e9},
+            "compute": {"flops_per_s": 1e10, "bytes_per_s": 1e10, "op_overhead_s": 0, "view_overhead_s": 0},
+            "compute_slowdown_under_comm": 1.0}
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps({**good, "axis_links": ["tp"]}))
+    with pytest.raises(sl.SpecError, match=r"axis_links is list; expected an object of axis name -> link"):
+        read_calibration(path)
+    path.write_text(json.dumps({**good, "axis_links": {"tp": {"backend": "mpi"}}}))
+    with pytest.raises(sl.SpecError, match=r"axis_links.tp.backend is 'mpi'; expected 'gloo' or 'nccl'"):
+        read_calibration(path)
