@@ -146,6 +146,9 @@ def _setup_process(rank: int, config: WorkerConfig) -> None:
     drop_no_action_warnings()  # Note [torch's logs]
     if config.threads is not None:
         _limit_threads(config.threads)
+    # A crash in native code (a segfault, malloc's abort) prints every thread's Python stack before the
+    # process ends, so the failure says which job and which line were running.
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     if config.prefix_output.applies_to(rank):
         sys.stdout = _PrefixedStream(sys.stdout, f"[rank {rank}] ")
         sys.stderr = _PrefixedStream(sys.stderr, f"[rank {rank}] ")
