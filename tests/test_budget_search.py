@@ -4,7 +4,7 @@ The reference below is the search without its shortcuts (the interpolated
 start and Note [policy floor]'s skip): for "selective" and "full" it compiles
 every k from 0 to n (the first k units take the policy) and keeps the least k
 that fits, takes the fastest fitting configuration, then deepens prefetch while
-it fits and is faster. On a tiny Llama of 6 layers at N = 1, 2 and 4, with
+it fits and is faster. On a tiny Llama of 4 layers at N = 1, 2 and 4, with
 budgets between the plan that keeps everything and full recompute on every
 layer (so the choice mixes a policy on some units with none on the others),
 both must choose the same configuration with the same peak and predicted step.
@@ -28,7 +28,7 @@ from shardlang.compiler import make_plan
 from shardlang.compiler.analysis.cost import LINKS, ComputeModel, CostModel
 from shardlang.spec.vocabulary import Recompute
 
-LAYERS = 6
+LAYERS = 4
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
