@@ -27,8 +27,8 @@ import torch.fx as fx
 
 from shardlang import api
 from shardlang.compiler.lower import emit
-from shardlang.step.batch import split_batch
-from shardlang.cli.job import build, global_batch, load_job
+from shardlang.cli.common import rank_batch
+from shardlang.cli.job import build, load_job
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -73,17 +73,18 @@ class _Sampler(fx.Interpreter):
         return result
 
 
-def measure_job(ctx, path: str, warmup: int = 1) -> dict:
-    """Compile ``path``'s job on this rank, run ``warmup`` steps, then measure one step node by node.
+def measure_job(ctx, path: str, warmup: int = 1, spec_file: str | None = None) -> dict:
+    """Compile ``path``'s job (under ``spec_file``'s spec, if given) on this rank, run ``warmup`` steps, then
+    measure one step node by node.
 
     Returns ``{"samples": [(node, bytes), ...], "input_bytes": int, "seconds": {...}}``; ``input_bytes`` counts the
     step's buffer pool with its inputs (held between steps, Note [buffer assignment]).
     """
     started = time.perf_counter()
     torch.manual_seed(0)
-    job = load_job(path)
+    job = load_job(path, spec_file)
     model = build(job, 0)
-    batch = split_batch(global_batch(job, 0), ctx.world_size, ctx.rank)
+    batch = rank_batch(job, 0, ctx.world_size, ctx.rank)  # ranks of one tp group take the same rows
     step = api.compile(model, job.loss_fn, job.spec, optimizer=job.optimizer, example_batch=batch, dist_context=ctx)
     del model
     compiled = time.perf_counter()

@@ -27,6 +27,7 @@ import shardlang as sl
 from shardlang.step.batch import split_batch
 from shardlang.compiler.analysis.memory import NO_SCRATCH, Category, gloo_scratch, plan_memory
 from shardlang.compiler.schedule.schedule import OpKind
+from shardlang.cli.common import rank_batch
 from shardlang.cli.job import build, global_batch, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +68,29 @@ def test_plan_peak_is_within_10_percent_of_the_measured_peak(run_on, gpt_plans, 
         # Node by node the plan is an upper bound, up to allocator overhead: it never misses a tenth of the peak.
         worst = max((nbytes - during[name], name) for name, nbytes in samples if name in during)
         assert worst[0] <= TOLERANCE * measured, f"N={world} rank {rank}: node {worst[1]} measured {worst[0]} B more"
+
+
+LLAMA, LLAMA_TP = str(ROOT / "examples" / "llama.py"), str(ROOT / "examples" / "llama_tp.toml")
+
+
+def test_on_a_2d_mesh_the_plan_peak_is_within_10_percent_of_the_measured_peak(run_on):
+    """At fsdp=2 x tp=2 (examples/llama_tp.toml): the same measure, every rank, with the tp collectives' buffers
+    in the samples as the data axis's are."""
+    job = load_job(LLAMA, LLAMA_TP)
+    compiled = sl.plan(lambda: build(job), job.loss_fn, job.spec, optimizer=job.optimizer,
+                       example_batch=rank_batch(job, 0, 4, 0), world_size=4)
+    plan = compiled.memory
+    during = {n.name: n.during for n in plan.nodes if n.op is not None}
+    for rank, result in enumerate(run_on(4, memory_workers.measure_job, LLAMA, 1, LLAMA_TP)):
+        samples = result["samples"]
+        measured = max(nbytes for _, nbytes in samples)
+        assert result["input_bytes"] == pytest.approx(plan.persistent, abs=4096)
+        error = (plan.peak - measured) / measured
+        assert abs(error) <= TOLERANCE, (
+            f"2x2 rank {rank}: plan peak {plan.peak} B (op {plan.peak_op}, {plan.peak_node}) vs measured "
+            f"{measured} B: {100 * error:+.1f}% (tolerance {100 * TOLERANCE:.0f}%)")
+        worst = max((nbytes - during[name], name) for name, nbytes in samples if name in during)
+        assert worst[0] <= TOLERANCE * measured, f"2x2 rank {rank}: node {worst[1]} measured {worst[0]} B more"
 
 
 # ---- the bookkeeping (no processes) ------------------------------------------------
