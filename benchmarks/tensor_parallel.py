@@ -16,12 +16,12 @@ thread each. At each mesh ``FxT`` (F data ranks, T tensor ranks):
   the root over the data mesh (at F = 1 that is DTensor TP alone: ``dtensor-tp``),
   ``torch.optim.AdamW``.
 
-Each rank first runs one eager step of the plain model (Note [one-time allocations]),
-then builds the modes. The modes' steps are interleaved (Note [side by side] in
-`benchmarks.modes`): each measured step runs every mode once, in a rotating order. Reported per mode: the
-median step time over ranks' medians, the peak of memory in use above the rank's
-baseline (`probes.memory_in_use`, Note [memory in use]), and the loss of the last
-step. Writes ``results.json`` and ``results.md`` into ``--out``.
+Each rank first runs one eager step of the plain model (Note [one-time
+allocations]), then builds the modes. The modes' steps are interleaved (Note [side
+by side] in `benchmarks.modes`): each measured step runs every mode once, in a
+rotating order. Reported per mode: the median step time over ranks' medians, the
+peak of memory in use above the rank's baseline (`probes.memory_in_use`, Note
+[memory in use]), and the loss of the last step; for shardlang also its plan's peak. Writes ``results.json`` and ``results.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -117,11 +117,15 @@ class _TorchTitan:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def __call__(self, batch):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model, batch)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        return _eager_step(self.model, self.optimizer, batch)
+
+
+def _eager_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 BUILDERS = {"shardlang": _Shardlang, "fsdp2+tp": _TorchTitan, "dtensor-tp": _TorchTitan}
@@ -137,11 +141,9 @@ def _prime(setting: Setting, rank: int) -> None:
     figures are the same in either build order.
     """
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn(model, setting.batch(0, rank)).backward()
-    optimizer.step()
+    _eager_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), setting.batch(0, rank))
     dist.all_reduce(torch.zeros(1))
-    del model, optimizer
+    del model
     gc.collect()
 
 
