@@ -76,6 +76,9 @@ class Scheduling:
     buffer_pool: bool = True
 
 
+SEQUENCE_DIM = 1  # of a (batch, sequence, features) activation, as torchtitan's Shard(1)
+
+
 @attrs.frozen
 class TensorAxis:
     """A tensor axis of the mesh: its name, size, place among the axes, and each parameter's placement on it.
@@ -83,6 +86,9 @@ class TensorAxis:
     ``placements`` maps parameter names to `compiler.placement.Shard` or
     `Replicate` (left out: replicated). ``index`` is the axis's position in
     the whole mesh, whose other axes are `StepConfig.mesh` (the data axes).
+    ``sequence_parallel``: activations between tp regions are split on the
+    sequence, dim `SEQUENCE_DIM` of a ``(batch, sequence, ...)`` activation
+    (Note [sequence shards] in `compiler.placement.strategy`).
     Example: ``TensorAxis("tp", 2, 1, {"layers.0.attention.wq.weight": Shard(0)})``.
     """
 
@@ -90,6 +96,12 @@ class TensorAxis:
     size: int
     index: int
     placements: Mapping[str, object] = attrs.field(converter=lambda p: dict(p or {}))
+    sequence_parallel: bool = False
+
+    @property
+    def sequence_dim(self) -> int | None:
+        """The dim activations are split on between tp regions; None without sequence parallelism."""
+        return SEQUENCE_DIM if self.sequence_parallel else None
 
     def placement_of(self, param: str):
         return self.placements.get(param, REPLICATE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -21,11 +22,13 @@ import shardlang as sl
 from models import CASES
 from shardlang.compiler.ir import collectives
 from shardlang.compiler.ir.trace import InputRole, Phase, phase_of
+from shardlang.compiler.config import TensorAxis
 from shardlang.compiler.placement.localize import localize
 from shardlang.compiler.placement.placements import Partial, Replicate, Shard, local_shape
 from shardlang.compiler.placement.propagate import propagate
 from shardlang.compiler.placement.rules.views import dim_groups, reshape_shard_map
 from shardlang.compiler.placement.simulate import simulate
+from shardlang.compiler.placement.step import tensor_parallel_step
 from shardlang.errors import CompileError
 
 aten = torch.ops.aten
@@ -82,11 +85,11 @@ def logical_inputs(traced, params, batch) -> list[torch.Tensor]:
     return values
 
 
-def run_parity(case_name: str, table: dict, n: int, steps: int = 2):
+def run_parity(case_name: str, table: dict, n: int, steps: int = 2, sequence_dim: int | None = None):
     """Train ``steps`` steps logically and simulated on ``n`` tp ranks; return the plan after asserting parity."""
     traced, params, batch, _ = traced_step(case_name)
     model = CASES[case_name].build(torch.float64)
-    plan = propagate(traced, seeds_for(model, table), "tp", n)
+    plan = propagate(traced, seeds_for(model, table), "tp", n, sequence_dim)
     local = localize(traced.graph_module, plan)
     logical = logical_inputs(traced, params, batch)
     flat_of = [spec.flat if spec.role in (InputRole.FLAT, InputRole.STATE) else None for spec in traced.inputs]
@@ -138,6 +141,50 @@ def test_llama_plan_has_megatrons_count_of_all_reduces_per_block():
     gathers = _collectives(local, collectives.all_gather, Phase.FORWARD)
     assert len(gathers) == 1
     assert not _collectives(local, collectives.all_gather, Phase.BACKWARD)
+
+
+@pytest.mark.parametrize("case_name, table", [("llama_tiny", LLAMA_TP), ("gpt_tiny", GPT_TP)])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_sequence_parallel_placements_train_like_the_logical_step(case_name, table, n):
+    run_parity(case_name, table, n, sequence_dim=1)
+
+
+def test_sequence_parallel_llama_reduce_scatters_and_gathers_where_megatron_all_reduces():
+    plan, local, traced = run_parity("llama_tiny", LLAMA_TP, 2, steps=1, sequence_dim=1)
+    config = CASES["llama_tiny"].build().config
+    b, s, h = 8, config.max_seq_len, config.dim
+    for phase in (Phase.FORWARD, Phase.BACKWARD):  # the activations between tp regions are sequence shards
+        scattered = _collectives(local, collectives.reduce_scatter, phase)
+        assert len(scattered) == 2 * config.n_layers + (phase is Phase.BACKWARD)  # + the head's input gradient
+        assert all(tuple(node.args[0].meta["val"].shape) == (s, b, h) for node in scattered)  # sequence moved first
+    # forward: a gather before each column-parallel product but the first block's attention (whose norm ran
+    # on the embedding's whole output), one before the head, and the logits' for the loss
+    assert len(_collectives(local, collectives.all_gather, Phase.FORWARD)) == 2 * config.n_layers + 1
+    # backward: a gather of each row-parallel output's gradient; no activation is all-reduced
+    assert len(_collectives(local, collectives.all_gather, Phase.BACKWARD)) == 2 * config.n_layers
+    assert not [r for r in plan.redistributions if isinstance(r.source, Partial) and r.shape == (b, s, h)
+                and isinstance(r.target, Replicate)]
+    # the norms' weight gradients (partial: each rank saw its part of the sequence) are all-reduced over tp
+    norms = {name for name, slot in _members(plan).items() if "norm" in name}
+    assert len(norms) == 2 * config.n_layers + 1
+    reduced = [r for r in plan.redistributions if isinstance(r.source, Partial) and isinstance(r.target, Replicate)]
+    assert {r.shape[-1] for r in reduced} <= {h}, reduced  # weight-sized, never (b, s, h)
+
+
+def _members(plan) -> dict:
+    return {slot.name: slot for layout in plan.flats.values() for slot in layout.members}
+
+
+def test_sequence_parallel_refuses_a_sequence_the_axis_does_not_divide():
+    case = CASES["llama_tiny"]
+    model = case.build(torch.float64)
+    batch = case.make_batch(0, torch.float64)[:, :32]  # 31 tokens in, 31 targets: 2 ranks do not split it
+    compiled = sl.plan(lambda: model, case.loss_fn, sl.Spec(sl.Mesh(fsdp=-1)), example_batch=batch, world_size=1)
+    axis = TensorAxis("tp", 2, 1, seeds_for(model, LLAMA_TP), sequence_parallel=True)
+    with pytest.raises(CompileError, match=r"(?s)sequence_parallel.*tp=2.*shape \[8, 31, 64\].*sequence length 31, "
+                                           r"which is not a multiple of 2.*made at .*llama\.py:"):
+        tensor_parallel_step(compiled.traced, axis)
+    tensor_parallel_step(compiled.traced, attrs.evolve(axis, sequence_parallel=False))  # exact without it
 
 
 def test_every_value_has_a_placement():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ import shardlang as sl
 from models import CASES, EXAMPLES
 from shardlang.compiler import MeshShape
 from shardlang.compiler.placement import placements
+from shardlang.compiler.schedule.schedule import wire_factor
 from shardlang.compiler.schedule.schedule_format import format_summary
 from shardlang.errors import CompileError
 from shardlang.spec.rules import Rule
@@ -77,6 +79,19 @@ def test_gpt_with_a_fused_qkv_trains_like_one_process(run_on, references, world,
     _, ref_params, _ = references("gpt_tiny", "adamw")
     for rank, (_losses, params, _schedule) in enumerate(results):
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+
+
+@pytest.mark.parametrize("case_name, world, tp", [("llama_tiny", 2, 2), ("llama_tiny", 4, 2), ("llama_tiny", 4, 4),
+                                                ("gpt_tiny", 4, 2)])
+def test_sequence_parallel_trains_like_one_process(run_on, references, case_name, world, tp):
+    results = run_on(world, workers.train_tensor_parallel, case_name, tp, STEPS, {"sequence_parallel": True})
+    ref_losses, ref_params, _ = references(case_name, "adamw")
+    for rank, (losses, params, schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        scattered = [op for op in schedule["ops"] if op["kind"] == "reduce_scatter" and op["flat"] is None]
+        assert scattered and all("Shard(1)" in op["detail"] for op in scattered)  # the activations' sequence
+    for k in range(STEPS):
+        assert sum(r[0][k] for r in results) / world == pytest.approx(ref_losses[k], rel=1e-12)
 
 
 # -- the notation, the batch, the plan: no processes ------------------------------------------------------
@@ -154,6 +169,37 @@ def test_the_plan_shows_megatrons_all_reduces_on_the_tp_group():
     assert {op.bytes for op in tp_reduces} == {4 * config.max_seq_len * config.dim * 4}  # b*s*h float32, local batch
     assert all(op.group_size == 2 and op.flat is None for op in tp_reduces)
     assert "world 4 (mesh fsdp=2 x tp=2, tp a tensor axis)" in format_summary(schedule)
+
+
+def test_sequence_parallel_plans_megatrons_bytes_and_less_activation_memory():
+    case = CASES["llama_tiny"]
+    per_rank = case.make_batch(0)[:4]
+    plans = {sp: sl.plan(case.builder, case.loss_fn, attrs.evolve(_llama_spec(), options=sl.Options(
+        sequence_parallel=sp)), example_batch=per_rank, world_size=4) for sp in (False, True)}
+    on_tp = {sp: [op for op in p.schedule.ops if op.group == "tp" and op.kind.value != "wait"]
+             for sp, p in plans.items()}
+    config = case.build().config
+    activation = 4 * config.max_seq_len * config.dim * 4  # b*s*h float32 of the local batch
+    scattered = [op for op in on_tp[True] if op.kind.value == "reduce_scatter"]
+    assert len(scattered) == 2 * (2 * config.n_layers) + 1 and {op.bytes for op in scattered} == {activation}
+    assert not [op for op in on_tp[True] if op.kind.value == "all_reduce" and op.bytes == activation]
+    wire = {sp: sum(op.bytes * wire_factor(op.kind.value, op.group_size) for op in ops) for sp, ops in on_tp.items()}
+    assert wire[True] <= wire[False] * 1.01  # a reduce-scatter and a gather move what an all-reduce moves
+    peaks = {sp: p.memory.peak for sp, p in plans.items()}
+    assert peaks[True] < peaks[False]
+
+
+def test_sequence_parallel_needs_a_tensor_axis_and_round_trips_through_toml(tmp_path):
+    case = CASES["llama_tiny"]
+    with pytest.raises(sl.SpecError, match=r"sequence_parallel.*has none; add one"):
+        sl.Spec(sl.Mesh(fsdp=-1), options=sl.Options(sequence_parallel=True)).resolve(case.build(), world_size=2)
+    with pytest.raises(sl.SpecError, match=r"Options.sequence_parallel is 'yes'; it must be True or False"):
+        sl.Options(sequence_parallel="yes")
+    spec = attrs.evolve(_llama_spec(), options=sl.Options(sequence_parallel=True))
+    path = tmp_path / "spec.toml"
+    path.write_text(spec.to_toml())
+    assert "sequence_parallel = true" in path.read_text()
+    assert sl.Spec.from_toml(path) == spec
 
 
 def test_what_a_tensor_axis_cannot_do_yet_is_refused_before_training(tmp_path):

@@ -55,7 +55,7 @@ def formula_bytes(schedule: Schedule) -> dict[str, int]:
         for kind, n in row.items():
             total[kind] += n
     for op in schedule.ops:  # collectives of no flat parameter: BatchNorm statistics, a gradient norm,
-        if op.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER) and op.flat is None:  # a tensor axis's activations
+        if op.kind in COLLECTIVE_KINDS and op.flat is None:  # a tensor axis's activations
             total[op.kind.value] += op.bytes
     return total
 

@@ -32,7 +32,7 @@ import torch.fx as fx
 from ..collection import collection_paused
 from .cost import CostModel, Timeline
 from .memory import MemoryPlan, backend_scratch, plan_memory
-from ..schedule.schedule import OpKind, Schedule
+from ..schedule.schedule import COLLECTIVE_KINDS, OpKind, Schedule
 from ..schedule.schedule_format import _detail, _unit, human_bytes
 from ..ir.trace import GraphInput
 from shardlang.spec.vocabulary import Strategy
@@ -132,7 +132,7 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
     tensor = schedule.tensor_axis[0] if schedule.tensor_axis else None
     on_tensor = {kind: sum(op.bytes for op in schedule.ops if op.kind is kind and op.flat is None
                            and tensor is not None and op.group == tensor)
-                 for kind in (OpKind.ALL_GATHER, OpKind.ALL_REDUCE)}
+                 for kind in COLLECTIVE_KINDS}
     other = sum(op.bytes for op in schedule.ops if op.kind is OpKind.ALL_REDUCE and op.flat is None)
     other -= on_tensor[OpKind.ALL_REDUCE]
     expressions = {
@@ -143,6 +143,9 @@ def communication_check(schedule: Schedule) -> tuple[CommunicationRow, ...]:
     if tensor is not None:  # the tensor axis's redistributions of activations and gradients
         expressions["all_gather"] += f" + {tensor} activations {human_bytes(on_tensor[OpKind.ALL_GATHER])}"
         expressions["all_reduce"] += f" + {tensor} activations {human_bytes(on_tensor[OpKind.ALL_REDUCE])}"
+        if on_tensor[OpKind.REDUCE_SCATTER]:  # sequence parallelism
+            expressions["reduce_scatter"] += (f" + {tensor} activations "
+                                              f"{human_bytes(on_tensor[OpKind.REDUCE_SCATTER])}")
     if schedule.is_evaluation:  # forward only: each gathered unit once, nothing reduced
         gathered = sum(f.gathered_bytes for f in sharded if f.strategy.shards_parameters)
         expressions = {"all_gather": f"M = {human_bytes(gathered)} (each unit once, forward only)",

@@ -9,12 +9,12 @@ plan's axis:
     Shard(d)  -> Replicate   all_gather, wait               (d > 0: dim d moved first and back after, copied)
     Replicate -> Shard(d)    local_block(d)                (this rank's block: no communication)
     Replicate -> Partial     local_partial                 (itself on coordinate 0, zeros elsewhere)
-    Partial   -> Shard(d)    all_reduce, wait, local_block(d)
+    Partial   -> Shard(d)    reduce_scatter, wait          (d > 0: moved and copied as for a gather)
     Shard(d)  -> Shard(e)    all_gather, wait, local_block(e)
     Shard(d)  -> Partial     all_gather, wait, local_partial
 
-A gather along a dim other than 0 is c10d's gather along dim 0 of the tensor
-with dim d moved first, made contiguous, and moved back after: written here as
+A gather (or reduce-scatter) along a dim other than 0 is c10d's along dim 0 of
+the tensor with dim d moved first, made contiguous, and moved back after: written here as
 nodes, so the memory plan sees the copies the step makes (the analysis reads
 the graph that will run).
 
@@ -103,15 +103,15 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
     detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{at}"
     phase = phase_of(consumer)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return _along(graph, x, dst.dim, phase, lambda v: _collective(
+            graph, collectives.reduce_scatter, (v, axis, n), NodeKind.REDUCE_SCATTER, phase, detail))
     if isinstance(src, Partial):
         x = _collective(graph, collectives.all_reduce, (x, axis, n), NodeKind.ALL_REDUCE, phase, detail)
         src = Replicate()
     elif isinstance(src, Shard):
-        if src.dim != 0:
-            x = _copy(graph, graph.call_function(aten.movedim.int, (x, src.dim, 0)), phase)
-        x = _collective(graph, collectives.all_gather, (x, axis, n), NodeKind.ALL_GATHER, phase, detail)
-        if src.dim != 0:
-            x = _copy(graph, graph.call_function(aten.movedim.int, (x, 0, src.dim)), phase)
+        x = _along(graph, x, src.dim, phase, lambda v: _collective(
+            graph, collectives.all_gather, (v, axis, n), NodeKind.ALL_GATHER, phase, detail))
         src = Replicate()
     if not isinstance(src, Replicate):
         raise CompileError(f"{consumer.name}: no redistribution from {r.source!r} to {r.target!r} on {axis!r}")
@@ -120,6 +120,14 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     elif isinstance(dst, Partial):
         x = graph.call_function(collectives.local_partial, (x, axis, n))
     return x
+
+
+def _along(graph: fx.Graph, x: fx.Node, dim: int, phase, collective) -> fx.Node:
+    """``collective`` (which works along dim 0) applied along ``dim``: that dim moved first and back after."""
+    if dim == 0:
+        return collective(x)
+    x = collective(_copy(graph, graph.call_function(aten.movedim.int, (x, dim, 0)), phase))
+    return _copy(graph, graph.call_function(aten.movedim.int, (x, 0, dim)), phase)
 
 
 def _copy(graph: fx.Graph, moved: fx.Node, phase) -> fx.Node:
@@ -133,5 +141,5 @@ def _copy(graph: fx.Graph, moved: fx.Node, phase) -> fx.Node:
 
 def _collective(graph: fx.Graph, target, args, kind: NodeKind, phase, detail: str) -> fx.Node:
     issued = tag(graph.call_function(target, args), kind, None, phase, detail=detail)
-    wait_kind = NodeKind.WAIT_REDUCE if kind is NodeKind.ALL_REDUCE else NodeKind.WAIT_GATHER
+    wait_kind = NodeKind.WAIT_GATHER if kind is NodeKind.ALL_GATHER else NodeKind.WAIT_REDUCE
     return tag(graph.call_function(collectives.wait, (issued,)), wait_kind, None, phase, detail=detail)

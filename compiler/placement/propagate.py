@@ -106,17 +106,21 @@ class PlacementPlan:
     strategies: Mapping[str, Strategy]  # node name -> the strategy chosen (local arguments included)
     redistributions: tuple[Redistribution, ...]
     flats: Mapping[str, FlatLayout]  # flat name -> its members' local layout
+    sequence_dim: int | None = None  # activations' dim split between tp regions (Note [sequence shards])
 
     def placement(self, node: fx.Node | str):
         return self.placements[node if isinstance(node, str) else node.name]
 
 
-def propagate(traced, member_placements: Mapping[str, Placement], axis: str, size: int) -> PlacementPlan:
+def propagate(traced, member_placements: Mapping[str, Placement], axis: str, size: int,
+              sequence_dim: int | None = None) -> PlacementPlan:
     """Place every value of ``traced`` (a `TracedStep`) on ``axis`` of ``size`` ranks.
 
     ``member_placements`` maps member names (``"layers.0.attention.wq.weight"``)
     to `Shard` or `Replicate`; members it leaves out are replicated. The batch,
     buffers, the step count and hyperparameters are replicated on the axis.
+    ``sequence_dim`` (sequence parallelism): a partial activation is reduce-scattered
+    along this dim where that serves (Note [sequence shards] in `compiler.placement.strategy`).
 
     Example::
 
@@ -126,15 +130,16 @@ def propagate(traced, member_placements: Mapping[str, Placement], axis: str, siz
     """
     if size == 1:  # one rank holds everything: every placement is the whole value
         member_placements = {}
-    return _Propagation(traced, member_placements, axis, size).run()
+    return _Propagation(traced, member_placements, axis, size, sequence_dim).run()
 
 
 class _Propagation:
-    def __init__(self, traced, member_placements, axis, size):
+    def __init__(self, traced, member_placements, axis, size, sequence_dim):
         self.graph = traced.graph_module.graph
         self.inputs: tuple[GraphInput, ...] = traced.inputs
         self.seeds = dict(member_placements)
         self.axis, self.n = axis, size
+        self.sequence_dim = sequence_dim
         self.placements: dict[str, object] = {}
         self.strategies: dict[str, Strategy] = {}
         self.redistributions: list[Redistribution] = []
@@ -155,7 +160,7 @@ class _Propagation:
                 self._place_output(node)
         return PlacementPlan(self.axis, self.n, types.MappingProxyType(self.placements),
                              types.MappingProxyType(self.strategies), tuple(self.redistributions),
-                             types.MappingProxyType(self.flats))
+                             types.MappingProxyType(self.flats), self.sequence_dim)
 
     # -- the flats ------------------------------------------------------------------------------------
 
@@ -215,12 +220,15 @@ class _Propagation:
         wants; `choose` takes that strategy among those of least cost. Without it,
         a product of replicated operands (the output head's weight gradient) is
         made whole and then cut to the rank's block: the same bytes moved, but n
-        times the compute and a whole-size temporary.
+        times the compute and a whole-size temporary. The move to what the reader
+        wants is part of each strategy's price, so a replicated parameter's
+        gradient that would come out partial (an embedding's, under sequence
+        parallelism) is priced with its all-reduce, and gathering the activation
+        gradient instead wins wherever that moves fewer bytes.
         """
         wanted: dict[str, Placement] = {}
         views = {n.name: n for n in self.graph.find_nodes(op="call_function", target=aten.view.default)}
-        pending = [(views[name].args[0], slot.placement) for name, slot in self.grad_member.items()
-                   if isinstance(slot.placement, Shard)]
+        pending = [(views[name].args[0], slot.placement) for name, slot in self.grad_member.items()]
         while pending:
             node, placement = pending.pop()
             if node.op != "call_function" or node.name in wanted or not has_rule(node.target):
@@ -294,9 +302,10 @@ class _Propagation:
                 return Strategy(current, tuple(REPLICATE for _ in call.out_shapes))
             raise self._error(node, current, "it has no sharding rule, and only replicated arguments run "
                                              "without one")
-        strategies = _reduce_shared_partials(call, strategies_of(call))
+        strategies = _reduce_shared_partials(call, strategies_of(call), self.sequence_dim)
         chosen = choose(call, strategies, [self.available.get(a.name, ()) for a in call.leaves],
-                        [a.name in self.parameters for a in call.leaves], prefer=self.wanted.get(node.name))
+                        [a.name in self.parameters for a in call.leaves], prefer=self.wanted.get(node.name),
+                        sequence_dim=self.sequence_dim)
         if chosen is None:
             raise self._error(node, current, "none of its strategies fits these arguments")
         return chosen
@@ -324,7 +333,7 @@ _VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.de
           aten.alias.default, aten._to_copy.default, aten.expand.default}
 
 
-def _reduce_shared_partials(call: OpCall, strategies: list[Strategy]) -> list[Strategy]:
+def _reduce_shared_partials(call: OpCall, strategies: list[Strategy], sequence_dim: int | None) -> list[Strategy]:
     """Drop the strategies that keep a partial argument partial when other calls read it too.
 
     Note [reduce shared partials]: a partial sum may flow on through linear ops
@@ -332,10 +341,13 @@ def _reduce_shared_partials(call: OpCall, strategies: list[Strategy]) -> list[St
     calls would be reduced once on each path. Reduced where it fans out, it is
     reduced once, and each reader takes the replicated value: this is where
     Megatron's backward all-reduce sits, on the gradient of a norm's output.
+    Under sequence parallelism it may be reduce-scattered to its sequence shard
+    instead, which the other readers then take as it is.
     """
     shared = [i for i, (a, p) in enumerate(zip(call.leaves, call.placements))
               if isinstance(p, Partial) and len(a.users) > 1]
     if not shared:
         return strategies
-    kept = [s for s in strategies if all(isinstance(s.inputs[i], Replicate) for i in shared)]
+    reduced = (REPLICATE,) if sequence_dim is None else (REPLICATE, Shard(sequence_dim))
+    kept = [s for s in strategies if all(s.inputs[i] in reduced for i in shared)]
     return kept or strategies

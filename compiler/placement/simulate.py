@@ -42,13 +42,21 @@ def simulate(graph_module: fx.GraphModule, n: int, inputs: list[list]) -> list:
     raise ValueError("the graph has no output node")
 
 
+def _summed(values: list, n: int) -> torch.Tensor:
+    """The sum in rank order of every rank's first argument (what a reduction over the axis computes)."""
+    total = values[0][0][0].clone()
+    for r in range(1, n):
+        total += values[r][0][0]
+    return total
+
+
 def _run(node: fx.Node, values: list, n: int) -> list:
     target = node.target
     if target is collectives.all_reduce:
-        total = values[0][0][0].clone()
-        for r in range(1, n):
-            total += values[r][0][0]
+        total = _summed(values, n)
         return [total.clone() for _ in range(n)]
+    if target is collectives.reduce_scatter:
+        return [block.clone() for block in _summed(values, n).chunk(n, dim=0)]
     if target is collectives.all_gather:
         whole = torch.cat([values[r][0][0] for r in range(n)], dim=0)
         return [whole.clone() for _ in range(n)]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import attrs
 
+from shardlang.errors import CompileError
+from ..ir.provenance import site_of_node
 from ..ir.trace import TracedStep
+from .placements import Partial, Replicate
 from .localize import localize
 from .propagate import propagate
 
@@ -24,5 +27,31 @@ def tensor_parallel_step(traced: TracedStep, axis) -> TracedStep:
 
     Example: ``local = tensor_parallel_step(traced, TensorAxis("tp", 2, 1, {"fc1.weight": Shard(0)}))``.
     """
-    plan = propagate(traced, axis.placements, axis.name, axis.size)
+    plan = propagate(traced, axis.placements, axis.name, axis.size, axis.sequence_dim)
+    if plan.sequence_dim is not None:
+        _check_sequence_divides(traced, plan)
     return attrs.evolve(traced, graph_module=localize(traced.graph_module, plan), placements=plan)
+
+
+def _check_sequence_divides(traced: TracedStep, plan) -> None:
+    """Under sequence parallelism, each activation reduced over the axis has a sequence the axis divides.
+
+    An activation whose sequence the axis does not divide cannot be split on it:
+    its reduction stays an all-reduce, and the step would be exact but not
+    sequence parallel. FSDP2 + TP mis-shapes such activations silently
+    (torchtitan#1306); here it is an error naming the value, its shape and its line.
+    """
+    dim, n = plan.sequence_dim, plan.size
+    nodes = {node.name: node for node in traced.graph_module.graph.nodes}
+    for r in plan.redistributions:
+        if not (isinstance(r.source, Partial) and isinstance(r.target, Replicate) and len(r.shape) > dim + 1):
+            continue
+        if r.shape[dim] > 1 and r.shape[dim] % n:
+            consumer = nodes[r.consumer]
+            site = site_of_node(consumer)
+            where = f"\n  made at {site}" if site is not None else ""
+            raise CompileError(
+                f"Options.sequence_parallel splits activations on their sequence (dim {dim}) over "
+                f"{plan.axis}={n}, but {r.arg} of shape {list(r.shape)}, reduced for {consumer.target}, has "
+                f"sequence length {r.shape[dim]}, which is not a multiple of {n}; make the sequence length a "
+                f"multiple of {n} (pad it), or turn sequence_parallel off{where}")

@@ -11,8 +11,8 @@ sizes where the op takes sizes (``view``, ``expand``, ``embedding_dense_backward
 (DTensor's sharding propagation chooses the same way). Moving to a placement a
 rank can make alone (Replicate to Shard: its own block; Replicate to Partial:
 itself on coordinate 0, zeros elsewhere) costs nothing; Shard to Replicate is an
-all-gather, Partial to Replicate or to Shard an all-reduce (twice the bytes on a
-ring; a reduce-scatter would move half, but gloo runs it as an all-reduce too).
+all-gather, Partial to Replicate an all-reduce (twice the bytes on a ring), and
+Partial to Shard a reduce-scatter (Note [sequence shards] says how it is priced).
 Among strategies of equal cost the first wins, so a rule lists its preferred one first.
 """
 
@@ -74,13 +74,23 @@ class Strategy:
     kwargs: dict | None = None
 
 
-def redistribution_cost(shape: tuple[int, ...], source: Placement, target: Placement) -> float:
-    """The elements a rank sends to turn ``source`` into ``target`` (alpha-free: only the ranking matters)."""
+def redistribution_cost(shape: tuple[int, ...], source: Placement, target: Placement,
+                        sequence_dim: int | None = None) -> float:
+    """The elements a rank sends to turn ``source`` into ``target`` (alpha-free: only the ranking matters).
+
+    Note [sequence shards]: a partial value wanted as `Shard(sequence_dim)` is
+    reduce-scattered, half an all-reduce's bytes; any other partial made a shard
+    is priced as the all-reduce it would replace. So without sequence
+    parallelism (``sequence_dim`` None) activations stay whole between tp
+    regions, Megatron's plan; with it, the reduction after a row-parallel
+    product leaves the residual stream split on the sequence, and the gather
+    before the next column-parallel product puts the other half of the bytes back.
+    """
     if source == target:
         return 0.0
     size = float(math.prod(shape))
     if isinstance(source, Flattened) and isinstance(target, Flattened):
-        return redistribution_cost(source.shape, source.inner, target.inner)
+        return redistribution_cost(source.shape, source.inner, target.inner, sequence_dim)
     if isinstance(source, Packed) or isinstance(target, Packed):
         return math.inf  # a flat keeps its layout: only a member can move
     if isinstance(target, Partial) and isinstance(source, Replicate):
@@ -88,7 +98,9 @@ def redistribution_cost(shape: tuple[int, ...], source: Placement, target: Place
     if isinstance(target, Shard) and isinstance(source, Replicate):
         return 0.0
     if isinstance(source, Partial):
-        return 2.0 * size  # an all-reduce (to Shard: then this rank's block)
+        if isinstance(target, Shard) and target.dim == sequence_dim:
+            return size  # a reduce-scatter (Note [sequence shards])
+        return 2.0 * size  # an all-reduce
     if isinstance(source, Shard):
         return size  # an all-gather (to another Shard or to Partial: then a local step)
     return math.inf
@@ -98,16 +110,18 @@ PARAMETER_WEIGHT = 1000.0  # moving a parameter costs this many times its bytes 
 
 
 def choose(call: OpCall, strategies: list[Strategy], available=None, parameters=None,
-           prefer: Placement | None = None) -> Strategy | None:
+           prefer: Placement | None = None, sequence_dim: int | None = None) -> Strategy | None:
     """The strategy whose redistributions cost least; the first of equals; None when none can run.
 
-    ``prefer``: among the strategies of least cost, the first whose output is placed so wins
-    (Note [gradients where their parameters are] in `compiler.placement.propagate`).
+    ``prefer``: where the output's one reader wants it (Note [gradients where
+    their parameters are] in `compiler.placement.propagate`). Bringing the output
+    there is counted in a strategy's cost, and among the strategies of least cost
+    the first whose output is placed so wins.
 
     ``available[i]`` holds placements argument ``i`` already has from an earlier
     redistribution: using one of those again costs nothing. ``parameters[i]``
     says argument ``i`` is a parameter (or a view of one): moving it costs
-    `PARAMETER_WEIGHT` times as much.
+    `PARAMETER_WEIGHT` times as much. ``sequence_dim``: Note [sequence shards].
 
     Note [parameters stay put]: on a tensor axis, a parameter keeps the
     placement its rule gave it and the activations move around it, as in every
@@ -120,9 +134,12 @@ def choose(call: OpCall, strategies: list[Strategy], available=None, parameters=
     parameters = parameters or [False] * len(shapes)
     best, best_cost = None, math.inf
     for strategy in strategies:
-        cost = sum(0.0 if want in ready else redistribution_cost(s, have, want) * (PARAMETER_WEIGHT if param else 1)
+        cost = sum(0.0 if want in ready else redistribution_cost(s, have, want, sequence_dim) *
+                   (PARAMETER_WEIGHT if param else 1)
                    for s, have, want, ready, param in zip(shapes, call.placements, strategy.inputs, available,
                                                           parameters))
+        if prefer is not None:
+            cost += redistribution_cost(call.out_shapes[0], strategy.outputs[0], prefer, sequence_dim)
         preferred = prefer is not None and strategy.outputs[0] == prefer
         if cost < best_cost or (cost == best_cost and preferred and best.outputs[0] != prefer):
             best, best_cost = strategy, cost

@@ -108,7 +108,7 @@ def _check_forward_only(schedule: Schedule) -> None:
             raise ScheduleError(f"op {op.index} ({op.kind.value}) of an evaluation schedule is in phase "
                                 f"{op.phase.value}; "
                                 "evaluation is forward only")
-        if op.flat is None and op.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER):
+        if op.flat is None and op.kind in COLLECTIVE_KINDS:
             continue  # a tensor axis's redistribution of an activation
         if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.OPTIMIZER):
             raise ScheduleError(f"op {op.index} of an evaluation schedule is a {op.kind.value}"

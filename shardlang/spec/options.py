@@ -22,7 +22,7 @@ __all__ = ["Options", "options_from_dict"]
 
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
                 "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend",
-                "keep_reduction_buffers", "buffer_pool")
+                "keep_reduction_buffers", "buffer_pool", "sequence_parallel")
 
 
 def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -97,6 +97,12 @@ class Options:
       of one size whose lives do not overlap (True, the default; kept only where
       the planned peak does not rise). False makes each anew every step. Eager
       backend only (docs/memory.md).
+    - ``sequence_parallel``: on a mesh with a tensor axis, activations between tp
+      regions (norms, residual adds, dropout) are split on the sequence dim (dim 1)
+      over tp: a reduce-scatter after each row-parallel product and an all-gather
+      before each column-parallel one take the place of the all-reduce, and those
+      activations take 1/tp of the memory (docs/tensor_parallel.md). The sequence
+      length must be a multiple of tp.
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -117,6 +123,7 @@ class Options:
     backend: StepBackend = attrs.field(default=StepBackend.EAGER, converter=_to_backend, repr=training.enum_repr)
     keep_reduction_buffers: bool = attrs.field(default=True, validator=_check_bool)
     buffer_pool: bool = attrs.field(default=True, validator=_check_bool)
+    sequence_parallel: bool = attrs.field(default=False, validator=_check_bool)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -124,7 +131,8 @@ class Options:
         if self.mixed_precision is not None:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
-                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers", "buffer_pool"):  # if not default
+                     "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers", "buffer_pool",
+                     "sequence_parallel"):  # if not default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

@@ -51,7 +51,8 @@ class ResolvedSpec:
             scheduling=Scheduling(reshard_after_forward=o.reshard_after_forward, prefetch=o.prefetch,
                                   bucket_bytes=o.bucket_bytes, recompute=self.recompute,
                                   keep_reduction_buffers=o.keep_reduction_buffers, buffer_pool=o.buffer_pool),
-            training=training.training_of(self), backend=o.backend, tensor=self.tensor)
+            training=training.training_of(self), backend=o.backend,
+            tensor=attrs.evolve(self.tensor, sequence_parallel=o.sequence_parallel) if self.tensor else None)
 
     @property
     def units(self) -> tuple[str, ...]:
