@@ -33,12 +33,12 @@ RULES = {
 
 
 def train_tensor_parallel(ctx, case_name: str, tp: int, steps: int, options: dict | None = None,
-                          strategies=None, replicate: int = 1, recompute=None):
-    """Train ``steps`` steps on ``Mesh(fsdp=-1, tp=tp)`` (``replicate=r`` in front: hybrid sharding);
-    every rank returns (losses, whole parameters, schedule)."""
+                          strategies=None, replicate: int = 1, recompute=None, extra_rules=()):
+    """Train ``steps`` steps on ``Mesh(fsdp=-1, tp=tp)`` (``replicate=r`` in front: hybrid sharding),
+    ``extra_rules`` before the case's; every rank returns (losses, whole parameters, schedule)."""
     case, dt = CASES[case_name], DTYPES["float64"]
     mesh = sl.Mesh(replicate=replicate, fsdp=-1, tp=tp) if replicate > 1 else sl.Mesh(fsdp=-1, tp=tp)
-    spec = sl.Spec(mesh, rules=RULES[case_name], units=case.units, recompute=recompute,
+    spec = sl.Spec(mesh, rules=[*extra_rules, *RULES[case_name]], units=case.units, recompute=recompute,
                    options=sl.Options(**(options or {})),
                    strategies=[(p, getattr(sl, s)) for p, s in strategies or ()] or None)
     parts, index = spec.mesh.batch_split(ctx.world_size, ctx.rank)

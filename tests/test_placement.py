@@ -171,6 +171,29 @@ def test_sequence_parallel_llama_reduce_scatters_and_gathers_where_megatron_all_
     assert {r.shape[-1] for r in reduced} <= {h}, reduced  # weight-sized, never (b, s, h)
 
 
+@pytest.mark.parametrize("sequence_dim", [None, 1])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_vocabulary_parallel_embedding_trains_like_the_logical_step(n, sequence_dim):
+    run_parity("llama_tiny", dict(LLAMA_TP, tok_embeddings=Shard(0)), n, sequence_dim=sequence_dim)
+
+
+def test_a_vocabulary_parallel_embedding_looks_up_in_its_rows_and_never_moves_the_table():
+    plan, local, traced = run_parity("llama_tiny", dict(LLAMA_TP, tok_embeddings=Shard(0)), 2, steps=1)
+    config = CASES["llama_tiny"].build().config
+    b, s, h = 8, config.max_seq_len, config.dim
+    # one all-reduce more than Megatron's forward: the partial lookups summed; backward is Megatron's
+    assert len(_collectives(local, collectives.all_reduce, Phase.FORWARD)) == 2 * config.n_layers + 1
+    assert len(_collectives(local, collectives.all_reduce, Phase.BACKWARD)) == 2 * config.n_layers + 1
+    assert {r.shape for r in plan.redistributions if isinstance(r.source, Partial)} == {(b, s, h)}
+    assert not [r for r in plan.redistributions if r.shape == (config.vocab_size, h)]  # the table stays put
+    lookups = [node for node in local.graph.nodes if node.target is aten.embedding.default]
+    assert [tuple(node.args[0].meta["val"].shape) for node in lookups] == [(config.vocab_size // 2, h)]
+    sequence_parallel = propagate(traced, seeds_for(CASES["llama_tiny"].build(torch.float64),
+                                                    dict(LLAMA_TP, tok_embeddings=Shard(0))), "tp", 2, 1)
+    first = next(r for r in sequence_parallel.redistributions if isinstance(r.source, Partial))
+    assert first.target == Shard(1)  # under sequence parallelism the lookups are reduce-scattered
+
+
 def _members(plan) -> dict:
     return {slot.name: slot for layout in plan.flats.values() for slot in layout.members}
 

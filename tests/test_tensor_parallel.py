@@ -94,6 +94,17 @@ def test_sequence_parallel_trains_like_one_process(run_on, references, case_name
         assert sum(r[0][k] for r in results) / world == pytest.approx(ref_losses[k], rel=1e-12)
 
 
+@pytest.mark.parametrize("world, tp, sequence_parallel", [(2, 2, False), (4, 2, True), (4, 4, False)])
+def test_a_vocabulary_parallel_embedding_trains_like_one_process(run_on, references, world, tp, sequence_parallel):
+    results = run_on(world, workers.train_tensor_parallel, "llama_tiny", tp, STEPS,
+                     {"sequence_parallel": sequence_parallel}, None, 1, None, workers.column("tok_embeddings.weight"))
+    _, ref_params, _ = references("llama_tiny", "adamw")
+    for rank, (_losses, params, schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        # the table is never gathered, and its gradient comes out in its rows: no tp collective after backward
+        assert not [op for op in schedule["ops"] if op.get("group") == "tp" and op["phase"] == "optimizer"]
+
+
 # -- the notation, the batch, the plan: no processes ------------------------------------------------------
 
 

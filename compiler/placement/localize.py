@@ -70,6 +70,10 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
             args = strategy.args
         if strategy is not None and strategy.kwargs is not None:
             kwargs = strategy.kwargs
+        if strategy is not None and strategy.lower is not None:
+            env[node] = _lowered(graph, node, strategy, fx.node.map_arg(args, lambda a: moved.get(a.name, env[a])),
+                                 plan)
+            continue
         mapped = graph.node_copy(node, lambda a: moved.get(a.name, env[a]))
         mapped.args = fx.node.map_arg(args, lambda a: moved.get(a.name, env[a]))
         mapped.kwargs = fx.node.map_arg(kwargs, lambda a: moved.get(a.name, env[a]))
@@ -80,6 +84,17 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
     local.recompile()
     _local_values(local, graph_module, plan)
     return local
+
+
+def _lowered(graph: fx.Graph, node: fx.Node, strategy, args: tuple, plan: PlacementPlan) -> fx.Node:
+    """The nodes ``strategy.lower`` writes for ``node``, each carrying ``node``'s metadata (phase, source line)."""
+    last = next(reversed(graph.nodes))  # the graph's last node before the lowering
+    result = strategy.lower(graph, args, plan.axis, plan.size)
+    made = last.next
+    while made.op != "root":
+        made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        made = made.next
+    return result
 
 
 def _local_values(local: fx.GraphModule, logical: fx.GraphModule, plan: PlacementPlan) -> None:

@@ -66,12 +66,18 @@ class OpCall:
 
 @attrs.frozen
 class Strategy:
-    """Required input placements, output placements, and the arguments with local sizes (None: unchanged)."""
+    """Required input placements, output placements, and the arguments with local sizes (None: unchanged).
+
+    ``lower``: where the local computation is not the op itself on local values (a
+    lookup in a vocabulary shard), ``lower(graph, args, axis, n)`` appends the nodes
+    that compute it to ``graph`` from the local ``args`` and returns the result.
+    """
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement | None, ...]
     args: tuple | None = None
     kwargs: dict | None = None
+    lower: object = None
 
 
 def redistribution_cost(shape: tuple[int, ...], source: Placement, target: Placement,

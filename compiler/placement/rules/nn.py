@@ -5,13 +5,16 @@ reduction keeps a shard of a dim it does not reduce, and a ``sum`` over a
 sharded dim gives a partial sum; softmax and norms keep shards of the dims they
 do not normalise over; attention keeps a shard of the batch or of the heads (the
 product of a column-parallel projection); an embedding keeps a shard of its
-feature dim. The loss sees its logits whole.
+feature dim, or looks up in a shard of its vocabulary (Note
+[vocabulary-parallel lookup]). The loss sees its logits whole.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+from ...ir import collectives
 from ..placements import PARTIAL, REPLICATE, Shard
 from ..strategy import OpCall, Strategy
 from .views import _dim
@@ -101,11 +104,66 @@ def attention_strategies(call: OpCall) -> list[Strategy]:
     return strategies
 
 
+def _vocabulary_block(graph: fx.Graph, indices: fx.Node, vocabulary: int, axis: str, n: int):
+    """(indices less this rank's first row, whether each falls in this rank's rows, those clamped into them).
+
+    The rank's first row comes from `collectives.local_block` of the row numbers,
+    the one op that knows the rank's coordinate, so the lowering is plain aten
+    nodes that the memory plan, the simulator and inductor all see.
+    """
+    rows = graph.call_function(aten.arange.default, (vocabulary,), {"dtype": torch.long})
+    first = graph.call_function(aten.select.int, (graph.call_function(
+        collectives.local_block, (rows, 0, axis, n)), 0, 0))
+    shifted = graph.call_function(aten.sub.Tensor, (indices, first))
+    inside = graph.call_function(aten.logical_and.default, (
+        graph.call_function(aten.ge.Scalar, (shifted, 0)), graph.call_function(aten.lt.Scalar, (shifted, vocabulary // n))))
+    clamped = graph.call_function(aten.where.self, (inside, shifted, graph.call_function(
+        aten.zeros_like.default, (shifted,))))
+    return graph.call_function(aten.unsqueeze.default, (inside, -1)), clamped
+
+
+def _lookup_in_vocabulary_block(vocabulary: int):
+    """Note [vocabulary-parallel lookup]: each rank looks up the tokens in its rows and zeros the others.
+
+    The sum over the axis of those partial lookups is the lookup in the whole
+    table (Megatron's vocabulary-parallel embedding): the result is `Partial`, and
+    the reduction the next op needs (an all-reduce, or a reduce-scatter under
+    sequence parallelism) is propagation's as anywhere else.
+    """
+    def lower(graph: fx.Graph, args: tuple, axis: str, n: int) -> fx.Node:
+        weight, indices = args[0], args[1]
+        inside, clamped = _vocabulary_block(graph, indices, vocabulary, axis, n)
+        looked_up = graph.call_function(aten.embedding.default, (weight, clamped))
+        return graph.call_function(aten.mul.Tensor, (looked_up, inside))
+    return lower
+
+
+def _gradient_of_vocabulary_block(vocabulary: int):
+    """The backward of Note [vocabulary-parallel lookup]: this rank's rows' gradient, from its tokens alone."""
+    def lower(graph: fx.Graph, args: tuple, axis: str, n: int) -> fx.Node:
+        grad, indices = args[0], args[1]
+        inside, clamped = _vocabulary_block(graph, indices, vocabulary, axis, n)
+        masked = graph.call_function(aten.mul.Tensor, (grad, inside))
+        return graph.call_function(aten.embedding_dense_backward.default,
+                                   (masked, clamped, vocabulary // n, -1, False))
+    return lower
+
+
+def _plain_lookup(call: OpCall, padding_at: int) -> bool:
+    """Whether a lookup has no padding row and no frequency scaling: what a vocabulary block can take exactly."""
+    args = call.node.args
+    padding = args[padding_at] if len(args) > padding_at else call.node.kwargs.get("padding_idx", -1)
+    scale = args[padding_at + 1] if len(args) > padding_at + 1 else call.node.kwargs.get("scale_grad_by_freq", False)
+    return padding == -1 and not scale
+
+
 def embedding_strategies(call: OpCall) -> list[Strategy]:
-    """``embedding(weight, indices)``: a shard of the feature dim, or of the indices' dims."""
+    """``embedding(weight, indices)``: a shard of the feature dim, of the indices' dims, or of the vocabulary."""
     weight, indices = call.shapes
     out = call.out_shapes[0]
     strategies = [_replicated(call)]
+    if weight[0] % call.n == 0 and _plain_lookup(call, 2):
+        strategies.append(Strategy((Shard(0), REPLICATE), (PARTIAL,), lower=_lookup_in_vocabulary_block(weight[0])))
     if weight[1] % call.n == 0:
         strategies.append(Strategy((Shard(1), REPLICATE), (Shard(len(out) - 1),)))
     for d in range(len(indices)):
@@ -118,6 +176,10 @@ def embedding_backward_strategies(call: OpCall) -> list[Strategy]:
     """``embedding_dense_backward(grad, indices, num_weights, ...)``: feature shards, or a partial sum over rows."""
     grad, indices = call.shapes
     strategies = [_replicated(call), Strategy((PARTIAL, REPLICATE), (PARTIAL,))]
+    vocabulary = call.node.args[2]
+    if vocabulary % call.n == 0 and _plain_lookup(call, 3):
+        strategies.append(Strategy((REPLICATE, REPLICATE), (Shard(0),),
+                                   lower=_gradient_of_vocabulary_block(vocabulary)))
     if grad[-1] % call.n == 0:
         strategies.append(Strategy((Shard(len(grad) - 1), REPLICATE), (Shard(1),)))
     for d in range(len(indices)):
