@@ -14,9 +14,10 @@ thread each. At each mesh ``FxT`` (F data ranks, T tensor ranks):
 - ``fsdp2+tp``: ``parallelize_module`` with torchtitan's Llama plan without sequence
   parallelism, then ``fully_shard`` per layer and on the root over the data mesh
   (at F = 1 that is DTensor TP alone: ``dtensor-tp``), ``torch.optim.AdamW``;
-- with ``--sequence-parallel``, also ``shardlang+sp``: ``shardlang`` with
-  ``Options(sequence_parallel=True)``, whose measured saving of peak memory is
-  reported beside the saving its plan predicts.
+- with ``--sequence-parallel`` and ``--loss-parallel``, also ``shardlang+sp`` and
+  ``shardlang+lp``: ``shardlang`` with ``Options(sequence_parallel=True)`` or
+  ``Options(loss_parallel=True)``, each with its measured saving of peak memory
+  against ``shardlang`` beside the saving its plan predicts.
 
 Each rank first runs one eager step of the plain model (Note [one-time
 allocations]), then builds the modes. The modes' steps are interleaved (Note [side
@@ -58,12 +59,11 @@ class Setting:
     warmup: int
     steps: int
     seq: int
-    sequence_parallel: bool = False
+    variants: tuple[str, ...] = ()  # of `VARIANTS`
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return ("shardlang", "fsdp2+tp" if self.data > 1 else "dtensor-tp") + (
-            ("shardlang+sp",) if self.sequence_parallel else ())
+        return ("shardlang", "fsdp2+tp" if self.data > 1 else "dtensor-tp") + self.variants
 
     def batch(self, k: int, rank: int) -> torch.Tensor:
         tokens = make_tokens(k, GLOBAL_BATCH, self.seq, CONFIG_30M.vocab_size)
@@ -76,7 +76,7 @@ def _model() -> Llama:
 
 
 class _Shardlang:
-    def __init__(self, setting: Setting, ctx, example, sequence_parallel: bool = False):
+    def __init__(self, setting: Setting, ctx, example, options: dict | None = None):
         import shardlang as sl
 
         col, row = (sl.shard("tp", dim=0), sl.shard("fsdp")), (sl.shard("tp", dim=1), sl.shard("fsdp"))
@@ -85,7 +85,7 @@ class _Shardlang:
                               ("*.feed_forward.w[13].weight", col), ("*.feed_forward.w2.weight", row),
                               ("output.weight", col), ("*", sl.shard("fsdp"))],
                        units=["tok_embeddings", "layers.*", "output"],
-                       options=sl.Options(sequence_parallel=sequence_parallel))
+                       options=sl.Options(**(options or {})))
         self.step = sl.compile(_model(), loss_fn, spec, optimizer=sl.AdamW(lr=1e-3), example_batch=example,
                                dist_context=ctx)
 
@@ -134,9 +134,10 @@ def _eager_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     return loss.detach()
 
 
+VARIANTS = {"shardlang+sp": {"sequence_parallel": True}, "shardlang+lp": {"loss_parallel": True}}
 BUILDERS = {"shardlang": _Shardlang, "fsdp2+tp": _TorchTitan, "dtensor-tp": _TorchTitan,
-            "shardlang+sp": functools.partial(_Shardlang, sequence_parallel=True)}
-PLANNED = ("shardlang", "shardlang+sp")  # the modes with a plan to set beside the measure
+            **{mode: functools.partial(_Shardlang, options=options) for mode, options in VARIANTS.items()}}
+PLANNED = ("shardlang", *VARIANTS)  # the modes with a plan to set beside the measure
 
 
 def _prime(setting: Setting, rank: int) -> None:
@@ -201,10 +202,9 @@ def _summary(setting: Setting, ranks: list[dict]) -> dict:
         errors = [(r[mode]["plan_peak"] - r[mode]["peak"]) / r[mode]["peak"] for r in ranks]
         out[mode]["plan_peak_mib"] = max(r[mode]["plan_peak"] for r in ranks) / 2**20
         out[mode]["plan_error"] = [min(errors), max(errors)]  # (plan - measured) / measured, over ranks
-    if setting.sequence_parallel:  # what sequence parallelism saves, measured and planned, on the worst rank
-        out["sequence_parallel"] = {
-            "measured_saving_mib": out["shardlang"]["peak_mib"] - out["shardlang+sp"]["peak_mib"],
-            "planned_saving_mib": out["shardlang"]["plan_peak_mib"] - out["shardlang+sp"]["plan_peak_mib"]}
+    for mode in setting.variants:  # what the option saves against plain shardlang, measured and planned
+        out[mode]["measured_saving_mib"] = out["shardlang"]["peak_mib"] - out[mode]["peak_mib"]
+        out[mode]["planned_saving_mib"] = out["shardlang"]["plan_peak_mib"] - out[mode]["plan_peak_mib"]
     peer = setting.modes[1]
     out["ratios"] = {"step_time": out["shardlang"]["step_s"] / out[peer]["step_s"],
                      "peak_memory": out["shardlang"]["peak_mib"] / out[peer]["peak_mib"]}
@@ -219,13 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=CONFIG_30M.max_seq_len, help="tokens per sequence (default 256)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also shardlang with Options(sequence_parallel=True)")
+    parser.add_argument("--loss-parallel", action="store_true", help="also shardlang with Options(loss_parallel=True)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/tp"))
     args = parser.parse_args(argv)
     results = {"model": dataclasses.asdict(CONFIG_30M), "global_batch": GLOBAL_BATCH, "seq": args.seq,
                "params": sum(p.numel() for p in _model().parameters()), "meshes": {}}
     for mesh in args.meshes.split(","):
         data, tensor = (int(x) for x in mesh.split("x"))
-        setting = Setting(data, tensor, args.warmup, args.steps, args.seq, args.sequence_parallel)
+        variants = (("shardlang+sp",) if args.sequence_parallel else ()) + (
+            ("shardlang+lp",) if args.loss_parallel else ())
+        setting = Setting(data, tensor, args.warmup, args.steps, args.seq, variants)
         pool = WorkerPool(data * tensor, threads=1, timeout=3600)
         try:
             from benchmarks.tensor_parallel import run_rank as job  # by module name, not __main__: ranks import it
@@ -247,7 +250,7 @@ def _markdown(results: dict) -> str:
              "| mesh (data x tp) | mode | step (s) | peak memory per rank (MiB) | loss |", "|---|---|---|---|---|"]
     for mesh, row in results["meshes"].items():
         for mode, r in row.items():
-            if mode not in ("ratios", "sequence_parallel"):
+            if mode != "ratios":
                 lines.append(f"| {mesh} | {mode} | {r['step_s']:.3f} | {r['peak_mib']:.1f} | {r['loss']:.4f} |")
         ratios = row["ratios"]
         lines.append(f"| {mesh} | shardlang / peer | {ratios['step_time']:.2f}x | {ratios['peak_memory']:.2f}x | |")
@@ -257,10 +260,9 @@ def _markdown(results: dict) -> str:
             low, high = (100 * e for e in row[mode]["plan_error"])
             lines.append(f"{mesh}: {mode}'s plan peak {row[mode]['plan_peak_mib']:.1f} MiB, "
                          f"{low:+.1f}% to {high:+.1f}% of the measured peak over ranks")
-        if "sequence_parallel" in row:
-            sp = row["sequence_parallel"]
-            lines.append(f"{mesh}: sequence parallelism saves {sp['measured_saving_mib']:.1f} MiB of peak measured, "
-                         f"{sp['planned_saving_mib']:.1f} MiB planned")
+        for mode in [m for m in VARIANTS if m in row]:
+            lines.append(f"{mesh}: {mode} saves {row[mode]['measured_saving_mib']:.1f} MiB of peak measured, "
+                         f"{row[mode]['planned_saving_mib']:.1f} MiB planned")
     return "\n".join(lines) + "\n"
 
 

@@ -88,7 +88,9 @@ class TensorAxis:
     the whole mesh, whose other axes are `StepConfig.mesh` (the data axes).
     ``sequence_parallel``: activations between tp regions are split on the
     sequence, dim `SEQUENCE_DIM` of a ``(batch, sequence, ...)`` activation
-    (Note [sequence shards] in `compiler.placement.strategy`).
+    (Note [sequence shards] in `compiler.placement.strategy`). ``loss_parallel``:
+    the loss runs on logits split by vocabulary (Note [loss parallelism] in
+    `compiler.placement.rules.loss`).
     Example: ``TensorAxis("tp", 2, 1, {"layers.0.attention.wq.weight": Shard(0)})``.
     """
 
@@ -97,6 +99,7 @@ class TensorAxis:
     index: int
     placements: Mapping[str, object] = attrs.field(converter=lambda p: dict(p or {}))
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def sequence_dim(self) -> int | None:

@@ -14,6 +14,7 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -85,11 +86,13 @@ def logical_inputs(traced, params, batch) -> list[torch.Tensor]:
     return values
 
 
-def run_parity(case_name: str, table: dict, n: int, steps: int = 2, sequence_dim: int | None = None):
+def run_parity(case_name: str, table: dict, n: int, steps: int = 2, sequence_dim: int | None = None,
+               loss_parallel: bool = False, traced=None):
     """Train ``steps`` steps logically and simulated on ``n`` tp ranks; return the plan after asserting parity."""
-    traced, params, batch, _ = traced_step(case_name)
-    model = CASES[case_name].build(torch.float64)
-    plan = propagate(traced, seeds_for(model, table), "tp", n, sequence_dim)
+    traced, params, batch = traced or traced_step(case_name)[:3]
+    model = CASES[case_name].build(torch.float64) if case_name else None
+    plan = propagate(traced, seeds_for(model, table) if model is not None else table, "tp", n, sequence_dim,
+                     loss_parallel)
     local = localize(traced.graph_module, plan)
     logical = logical_inputs(traced, params, batch)
     flat_of = [spec.flat if spec.role in (InputRole.FLAT, InputRole.STATE) else None for spec in traced.inputs]
@@ -192,6 +195,72 @@ def test_a_vocabulary_parallel_embedding_looks_up_in_its_rows_and_never_moves_th
                                                     dict(LLAMA_TP, tok_embeddings=Shard(0))), "tp", 2, 1)
     first = next(r for r in sequence_parallel.redistributions if isinstance(r.source, Partial))
     assert first.target == Shard(1)  # under sequence parallelism the lookups are reduce-scattered
+
+
+@pytest.mark.parametrize("case_name, table", [("llama_tiny", LLAMA_TP), ("gpt_tiny", GPT_TP)])
+@pytest.mark.parametrize("n, sequence_dim", [(1, None), (2, None), (4, None), (2, 1)])
+def test_loss_parallel_trains_like_the_logical_step(case_name, table, n, sequence_dim):
+    run_parity(case_name, table, n, sequence_dim=sequence_dim, loss_parallel=True)
+
+
+def test_loss_parallel_never_moves_the_logits_only_their_rows_statistics():
+    plan, local, traced = run_parity("llama_tiny", LLAMA_TP, 2, steps=1, loss_parallel=True)
+    config = CASES["llama_tiny"].build().config
+    b, s, h = 8, config.max_seq_len, config.dim
+    # the logits (as the loss reads them, (b*s, V)) and their gradient stay split: without loss parallelism
+    assert not [r for r in plan.redistributions if r.shape == (b * s, config.vocab_size)]  # one gather, two cuts
+    forward_reduces = _collectives(local, collectives.all_reduce, Phase.FORWARD)
+    # Megatron's, the rows' sums of exponentials, and the loss (each rank's sum over the targets in its rows)
+    assert len(forward_reduces) == 2 * config.n_layers + 2
+    (row_max,) = _collectives(local, collectives.all_gather, Phase.FORWARD)  # each rank's row maxima
+    assert tuple(row_max.args[0].meta["val"].shape) == (b * s, 1)
+    backward_reduces = _collectives(local, collectives.all_reduce, Phase.BACKWARD)
+    assert len(backward_reduces) == 2 * config.n_layers + 2  # + the log-softmax gradient's row sums
+    assert {tuple(node.args[0].meta["val"].shape) for node in forward_reduces + backward_reduces} == {
+        (b, s, h), (b * s, 1), ()}
+
+
+class _TwoReaders(nn.Module):
+    """A column-parallel head whose log-softmax has a reader besides the loss (pytorch#190746's case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _two_readers_loss(model, batch):
+    x, y = batch
+    logits = model(x)
+    entropy = -(F.log_softmax(logits, -1).exp() * F.log_softmax(logits, -1)).sum(-1).mean()
+    return F.cross_entropy(logits, y) + 0.1 * entropy
+
+
+def test_loss_parallel_keeps_every_other_reader_of_the_log_softmax_exact():
+    torch.manual_seed(0)
+    model = _TwoReaders().double()
+    batch = (torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 12, (10,)))
+    compiled = sl.plan(lambda: model, _two_readers_loss, sl.Spec(sl.Mesh(fsdp=-1)), example_batch=batch,
+                       world_size=1)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for n in (2, 4):
+        plan, _, _ = run_parity(None, {"head.weight": Shard(0), "head.bias": Shard(0)}, n, loss_parallel=True,
+                                traced=(compiled.traced, params, batch))
+        logits = [node for node in compiled.traced.graph_module.graph.nodes if node.target is aten._log_softmax.default]
+        assert len(logits) >= 2 and all(plan.placement(node) == Shard(1) for node in logits)
+
+
+def test_loss_parallel_refuses_logits_that_reach_the_loss_whole():
+    traced, _, _, _ = traced_step("llama_tiny")
+    model = CASES["llama_tiny"].build(torch.float64)
+    axis = TensorAxis("tp", 2, 1, {k: v for k, v in seeds_for(model, LLAMA_TP).items() if k != "output.weight"},
+                      loss_parallel=True)
+    with pytest.raises(CompileError, match=r"loss_parallel.*reach nll_loss_forward as Replicate\(\), not split by "
+                                           r"vocabulary; split the output head's weight"):
+        tensor_parallel_step(traced, axis)
 
 
 def _members(plan) -> dict:

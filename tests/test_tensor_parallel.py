@@ -94,15 +94,33 @@ def test_sequence_parallel_trains_like_one_process(run_on, references, case_name
         assert sum(r[0][k] for r in results) / world == pytest.approx(ref_losses[k], rel=1e-12)
 
 
-@pytest.mark.parametrize("world, tp, sequence_parallel", [(2, 2, False), (4, 2, True), (4, 4, False)])
-def test_a_vocabulary_parallel_embedding_trains_like_one_process(run_on, references, world, tp, sequence_parallel):
-    results = run_on(world, workers.train_tensor_parallel, "llama_tiny", tp, STEPS,
-                     {"sequence_parallel": sequence_parallel}, None, 1, None, workers.column("tok_embeddings.weight"))
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 4)])
+def test_a_vocabulary_parallel_embedding_trains_like_one_process(run_on, references, world, tp):
+    results = run_on(world, workers.train_tensor_parallel, "llama_tiny", tp, STEPS, None, None, 1, None,
+                     workers.column("tok_embeddings.weight"))
     _, ref_params, _ = references("llama_tiny", "adamw")
     for rank, (_losses, params, schedule) in enumerate(results):
         assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
         # the table is never gathered, and its gradient comes out in its rows: no tp collective after backward
         assert not [op for op in schedule["ops"] if op.get("group") == "tp" and op["phase"] == "optimizer"]
+
+
+@pytest.mark.parametrize("case_name, world, tp, everything", [("llama_tiny", 2, 2, False), ("llama_tiny", 4, 2, True),
+                                                            ("gpt_tiny", 4, 4, False)])
+def test_loss_parallel_trains_like_one_process(run_on, references, case_name, world, tp, everything):
+    """``everything``: torchtitan's 2-D Llama, with sequence parallelism and a vocabulary-parallel embedding too.
+    GPT's head is its token table: split by vocabulary, the logits come out split too."""
+    options = {"loss_parallel": True, "sequence_parallel": everything}
+    extra = workers.column("tok_embeddings.weight") if everything else ()
+    extra = workers.column("tok_emb.weight") if case_name == "gpt_tiny" else extra
+    results = run_on(world, workers.train_tensor_parallel, case_name, tp, STEPS, options, None, 1, None, extra)
+    ref_losses, ref_params, _ = references(case_name, "adamw")
+    for rank, (_losses, params, schedule) in enumerate(results):
+        assert parity.max_relative_difference(params, ref_params) < TOLERANCE, f"rank {rank}"
+        details = [op["detail"] for op in schedule["ops"] if op.get("group") == "tp"]
+        assert any("row sums of exponentials" in d for d in details)
+    for k in range(STEPS):
+        assert sum(r[0][k] for r in results) / world == pytest.approx(ref_losses[k], rel=1e-12)
 
 
 # -- the notation, the batch, the plan: no processes ------------------------------------------------------
@@ -200,17 +218,31 @@ def test_sequence_parallel_plans_megatrons_bytes_and_less_activation_memory():
     assert peaks[True] < peaks[False]
 
 
-def test_sequence_parallel_needs_a_tensor_axis_and_round_trips_through_toml(tmp_path):
+@pytest.mark.parametrize("option", ["sequence_parallel", "loss_parallel"])
+def test_the_tp_options_need_a_tensor_axis_and_round_trip_through_toml(tmp_path, option):
     case = CASES["llama_tiny"]
-    with pytest.raises(sl.SpecError, match=r"sequence_parallel.*has none; add one"):
-        sl.Spec(sl.Mesh(fsdp=-1), options=sl.Options(sequence_parallel=True)).resolve(case.build(), world_size=2)
-    with pytest.raises(sl.SpecError, match=r"Options.sequence_parallel is 'yes'; it must be True or False"):
-        sl.Options(sequence_parallel="yes")
-    spec = attrs.evolve(_llama_spec(), options=sl.Options(sequence_parallel=True))
+    with pytest.raises(sl.SpecError, match=rf"{option} splits activations over a tensor axis.*has none; add one"):
+        sl.Spec(sl.Mesh(fsdp=-1), options=sl.Options(**{option: True})).resolve(case.build(), world_size=2)
+    with pytest.raises(sl.SpecError, match=rf"Options.{option} is 'yes'; it must be True or False"):
+        sl.Options(**{option: "yes"})
+    spec = attrs.evolve(_llama_spec(), options=sl.Options(**{option: True}))
     path = tmp_path / "spec.toml"
     path.write_text(spec.to_toml())
-    assert "sequence_parallel = true" in path.read_text()
+    assert f"{option} = true" in path.read_text()
     assert sl.Spec.from_toml(path) == spec
+
+
+def test_loss_parallel_plans_no_logits_gather_and_less_memory():
+    case = CASES["llama_tiny"]
+    per_rank = case.make_batch(0)[:4]
+    plans = {lp: sl.plan(case.builder, case.loss_fn, attrs.evolve(_llama_spec(), options=sl.Options(
+        loss_parallel=lp)), example_batch=per_rank, world_size=4) for lp in (False, True)}
+    config = case.build().config
+    logits = 4 * config.max_seq_len * config.vocab_size * 4  # b*s*V float32 of the local batch
+    gathers = {lp: [op for op in p.schedule.ops if op.group == "tp" and op.kind.value == "all_gather"
+                    and op.bytes == logits] for lp, p in plans.items()}
+    assert gathers[False] and not gathers[True]
+    assert plans[True].memory.peak <= plans[False].memory.peak  # the tiny model peaks in a block, not at the loss
 
 
 def test_what_a_tensor_axis_cannot_do_yet_is_refused_before_training(tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -86,15 +87,53 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
     return local
 
 
-def _lowered(graph: fx.Graph, node: fx.Node, strategy, args: tuple, plan: PlacementPlan) -> fx.Node:
+def _lowered(graph: fx.Graph, node: fx.Node, strategy, args: tuple, plan: PlacementPlan):
     """The nodes ``strategy.lower`` writes for ``node``, each carrying ``node``'s metadata (phase, source line)."""
     last = next(reversed(graph.nodes))  # the graph's last node before the lowering
-    result = strategy.lower(graph, args, plan.axis, plan.size)
+    result = strategy.lower(Lowering(graph, node, plan.axis, plan.size), args)
     made = last.next
     while made.op != "root":
-        made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        made.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "sl")})
         made = made.next
     return result
+
+
+@attrs.frozen
+class Lowering:
+    """What a strategy's ``lower`` writes with: the graph, and the axis's reductions and coordinate as nodes.
+
+    ``lower(lowering, args)`` gets the call's local arguments and returns the local
+    result (a node, or a tuple of nodes for an op of several outputs).
+    """
+
+    graph: fx.Graph
+    node: fx.Node  # the logical call being lowered
+    axis: str
+    n: int
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def sum(self, x: fx.Node, what: str) -> fx.Node:
+        """``x`` summed over the axis (an all-reduce, in the schedule as ``what``)."""
+        return _collective(self.graph, collectives.all_reduce, (x, self.axis, self.n), NodeKind.ALL_REDUCE,
+                           phase_of(self.node), self._detail(what))
+
+    def max(self, x: fx.Node, what: str) -> fx.Node:
+        """``x``'s elementwise max over the axis: every rank's ``x`` gathered, then the max of the ``n``."""
+        gathered = _collective(self.graph, collectives.all_gather, (x, self.axis, self.n), NodeKind.ALL_GATHER,
+                               phase_of(self.node), self._detail(what))
+        return self.call(aten.amax.default, self.call(aten.unflatten.int, gathered, 0, [self.n, -1]), [0])
+
+    def first_row(self, rows: int) -> fx.Node:
+        """The first of this rank's block of ``rows`` (a 0-d long): where its block of a split dim starts."""
+        numbers = self.call(aten.arange.default, rows, dtype=torch.long)
+        return self.call(aten.select.int, self.call(collectives.local_block, numbers, 0, self.axis, self.n), 0, 0)
+
+    def _detail(self, what: str) -> str:
+        site = site_of_node(self.node)
+        at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
+        return f"{self.axis}: {what} for {self.node.target}{at}"
 
 
 def _local_values(local: fx.GraphModule, logical: fx.GraphModule, plan: PlacementPlan) -> None:
@@ -117,7 +156,7 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     site = site_of_node(consumer)
     at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
     detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{at}"
-    phase = phase_of(consumer)
+    phase = phase_of(consumer) or phase_of(value)  # the step's output has no phase: its value's (the loss's)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return _along(graph, x, dst.dim, phase, lambda v: _collective(
             graph, collectives.reduce_scatter, (v, axis, n), NodeKind.REDUCE_SCATTER, phase, detail))

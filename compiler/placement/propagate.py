@@ -107,13 +107,14 @@ class PlacementPlan:
     redistributions: tuple[Redistribution, ...]
     flats: Mapping[str, FlatLayout]  # flat name -> its members' local layout
     sequence_dim: int | None = None  # activations' dim split between tp regions (Note [sequence shards])
+    loss_parallel: bool = False  # the loss may run on vocabulary blocks (Note [loss parallelism])
 
     def placement(self, node: fx.Node | str):
         return self.placements[node if isinstance(node, str) else node.name]
 
 
 def propagate(traced, member_placements: Mapping[str, Placement], axis: str, size: int,
-              sequence_dim: int | None = None) -> PlacementPlan:
+              sequence_dim: int | None = None, loss_parallel: bool = False) -> PlacementPlan:
     """Place every value of ``traced`` (a `TracedStep`) on ``axis`` of ``size`` ranks.
 
     ``member_placements`` maps member names (``"layers.0.attention.wq.weight"``)
@@ -121,6 +122,8 @@ def propagate(traced, member_placements: Mapping[str, Placement], axis: str, siz
     buffers, the step count and hyperparameters are replicated on the axis.
     ``sequence_dim`` (sequence parallelism): a partial activation is reduce-scattered
     along this dim where that serves (Note [sequence shards] in `compiler.placement.strategy`).
+    ``loss_parallel``: the loss may run on logits split by vocabulary (Note [loss
+    parallelism] in `compiler.placement.rules.loss`).
 
     Example::
 
@@ -130,16 +133,16 @@ def propagate(traced, member_placements: Mapping[str, Placement], axis: str, siz
     """
     if size == 1:  # one rank holds everything: every placement is the whole value
         member_placements = {}
-    return _Propagation(traced, member_placements, axis, size, sequence_dim).run()
+    return _Propagation(traced, member_placements, axis, size, sequence_dim, loss_parallel).run()
 
 
 class _Propagation:
-    def __init__(self, traced, member_placements, axis, size, sequence_dim):
+    def __init__(self, traced, member_placements, axis, size, sequence_dim, loss_parallel):
         self.graph = traced.graph_module.graph
         self.inputs: tuple[GraphInput, ...] = traced.inputs
         self.seeds = dict(member_placements)
         self.axis, self.n = axis, size
-        self.sequence_dim = sequence_dim
+        self.sequence_dim, self.loss_parallel = sequence_dim, loss_parallel
         self.placements: dict[str, object] = {}
         self.strategies: dict[str, Strategy] = {}
         self.redistributions: list[Redistribution] = []
@@ -160,7 +163,7 @@ class _Propagation:
                 self._place_output(node)
         return PlacementPlan(self.axis, self.n, types.MappingProxyType(self.placements),
                              types.MappingProxyType(self.strategies), tuple(self.redistributions),
-                             types.MappingProxyType(self.flats), self.sequence_dim)
+                             types.MappingProxyType(self.flats), self.sequence_dim, self.loss_parallel)
 
     # -- the flats ------------------------------------------------------------------------------------
 
@@ -296,7 +299,7 @@ class _Propagation:
         return None
 
     def _rule_strategy(self, node: fx.Node, current: tuple) -> Strategy:
-        call = OpCall(node, current, self.n)
+        call = OpCall(node, current, self.n, self.loss_parallel)
         if not has_rule(node.target):
             if all(isinstance(p, Replicate) for p in current):
                 return Strategy(current, tuple(REPLICATE for _ in call.out_shapes))

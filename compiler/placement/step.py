@@ -11,15 +11,18 @@ parameters, with the tensor axis's collectives already in the graph
 from __future__ import annotations
 
 import attrs
+import torch
 
 from shardlang.errors import CompileError
 from ..ir.provenance import site_of_node
 from ..ir.trace import TracedStep
-from .placements import Partial, Replicate
+from .placements import Partial, Replicate, Shard
 from .localize import localize
 from .propagate import propagate
 
 __all__ = ["tensor_parallel_step"]
+
+aten = torch.ops.aten
 
 
 def tensor_parallel_step(traced: TracedStep, axis) -> TracedStep:
@@ -27,9 +30,11 @@ def tensor_parallel_step(traced: TracedStep, axis) -> TracedStep:
 
     Example: ``local = tensor_parallel_step(traced, TensorAxis("tp", 2, 1, {"fc1.weight": Shard(0)}))``.
     """
-    plan = propagate(traced, axis.placements, axis.name, axis.size, axis.sequence_dim)
+    plan = propagate(traced, axis.placements, axis.name, axis.size, axis.sequence_dim, axis.loss_parallel)
     if plan.sequence_dim is not None:
         _check_sequence_divides(traced, plan)
+    if plan.loss_parallel:
+        _check_loss_runs_on_blocks(traced, plan)
     return attrs.evolve(traced, graph_module=localize(traced.graph_module, plan), placements=plan)
 
 
@@ -55,3 +60,20 @@ def _check_sequence_divides(traced: TracedStep, plan) -> None:
                 f"{plan.axis}={n}, but {r.arg} of shape {list(r.shape)}, reduced for {consumer.target}, has "
                 f"sequence length {r.shape[dim]}, which is not a multiple of {n}; make the sequence length a "
                 f"multiple of {n} (pad it), or turn sequence_parallel off{where}")
+
+
+def _check_loss_runs_on_blocks(traced: TracedStep, plan) -> None:
+    """Under loss parallelism, some negative log-likelihood of the step takes its log-probabilities split.
+
+    Otherwise the option did nothing (no cross-entropy, or logits that reach the
+    loss whole), which a user who asked for it should hear before training.
+    """
+    losses = traced.graph_module.graph.find_nodes(op="call_function", target=aten.nll_loss_forward.default)
+    if any(isinstance(plan.strategies[node.name].inputs[0], Shard) for node in losses):
+        return
+    why = ("the step has no cross-entropy (nll_loss_forward)" if not losses else
+           f"the log-probabilities reach {losses[0].name} as {plan.placement(losses[0].args[0])!r}, not split by "
+           f"vocabulary; split the output head's weight on its vocabulary over {plan.axis} "
+           f"(shard({plan.axis!r}, dim=0)), or turn loss_parallel off")
+    raise CompileError(f"Options.loss_parallel computes a cross-entropy on logits split by vocabulary over "
+                       f"{plan.axis}={plan.size}, but {why}")

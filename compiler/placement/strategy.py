@@ -43,6 +43,7 @@ class OpCall:
     node: fx.Node
     placements: tuple[Placement, ...]  # of each of `tensor_leaves(node)`, in order
     n: int  # ranks on the axis
+    loss_parallel: bool = False  # the loss may run on vocabulary blocks (Note [loss parallelism])
 
     @property
     def leaves(self) -> list[fx.Node]:
@@ -69,8 +70,9 @@ class Strategy:
     """Required input placements, output placements, and the arguments with local sizes (None: unchanged).
 
     ``lower``: where the local computation is not the op itself on local values (a
-    lookup in a vocabulary shard), ``lower(graph, args, axis, n)`` appends the nodes
-    that compute it to ``graph`` from the local ``args`` and returns the result.
+    lookup in a vocabulary shard), ``lower(lowering, args)`` writes the nodes that
+    compute it from the local ``args`` and returns the result
+    (`compiler.placement.localize.Lowering`).
     """
 
     inputs: tuple[Placement, ...]

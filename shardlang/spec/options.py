@@ -22,7 +22,8 @@ __all__ = ["Options", "options_from_dict"]
 
 _OPTION_KEYS = ("reshard_after_forward", "prefetch", "mixed_precision", "clip_grad_norm", "microbatches", "accumulation",
                 "random", "seed", "bucket_bytes", "memory_budget", "skip_nonfinite", "backend",
-                "keep_reduction_buffers", "buffer_pool", "sequence_parallel")
+                "keep_reduction_buffers", "buffer_pool", "sequence_parallel",
+                "loss_parallel")
 
 
 def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -103,6 +104,10 @@ class Options:
       before each column-parallel one take the place of the all-reduce, and those
       activations take 1/tp of the memory (docs/tensor_parallel.md). The sequence
       length must be a multiple of tp.
+    - ``loss_parallel``: on a mesh with a tensor axis, the cross-entropy of logits
+      split by vocabulary over tp (a column-parallel head) runs on each rank's
+      block: the rows' max, sum of exponentials and target logit cross the axis,
+      never the logits (docs/tensor_parallel.md).
 
     Example: ``Options(reshard_after_forward=False, prefetch=2)``.
     """
@@ -124,6 +129,7 @@ class Options:
     keep_reduction_buffers: bool = attrs.field(default=True, validator=_check_bool)
     buffer_pool: bool = attrs.field(default=True, validator=_check_bool)
     sequence_parallel: bool = attrs.field(default=False, validator=_check_bool)
+    loss_parallel: bool = attrs.field(default=False, validator=_check_bool)
 
     def to_dict(self) -> dict[str, object]:
         """The plain-dict (TOML) form. Example: ``{'reshard_after_forward': True, 'prefetch': 1}``."""
@@ -132,7 +138,7 @@ class Options:
             d["mixed_precision"] = {k: v for k, v in self.mixed_precision.to_dict().items() if v is not None}
         for name in ("clip_grad_norm", "microbatches", "accumulation", "random", "seed", "bucket_bytes",
                      "memory_budget", "skip_nonfinite", "backend", "keep_reduction_buffers", "buffer_pool",
-                     "sequence_parallel"):  # if not default
+                     "sequence_parallel", "loss_parallel"):  # if not default
             value = getattr(self, name)
             if value != _OPTION_DEFAULTS[name]:
                 d[name] = value.value if isinstance(value, enum.Enum) else value

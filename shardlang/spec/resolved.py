@@ -52,7 +52,8 @@ class ResolvedSpec:
                                   bucket_bytes=o.bucket_bytes, recompute=self.recompute,
                                   keep_reduction_buffers=o.keep_reduction_buffers, buffer_pool=o.buffer_pool),
             training=training.training_of(self), backend=o.backend,
-            tensor=attrs.evolve(self.tensor, sequence_parallel=o.sequence_parallel) if self.tensor else None)
+            tensor=attrs.evolve(self.tensor, sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel)
+            if self.tensor else None)
 
     @property
     def units(self) -> tuple[str, ...]:

@@ -259,9 +259,10 @@ class Spec:
         tensor_axes = [(k, (a, s)) for k, (a, s) in enumerate(whole.axes) if is_tensor_axis(a)]
         if len(tensor_axes) > 1:
             raise SpecError(f"{self.source}: {self.mesh!r} has {len(tensor_axes)} tensor axes; one is supported")
-        if self.options.sequence_parallel and not tensor_axes:
-            raise SpecError(f"{self.source}: Options.sequence_parallel splits activations over a tensor axis, and "
-                            f"{self.mesh!r} has none; add one (sl.Mesh(fsdp=-1, tp=2)) or turn sequence_parallel off")
+        for option in ("sequence_parallel", "loss_parallel"):
+            if getattr(self.options, option) and not tensor_axes:
+                raise SpecError(f"{self.source}: Options.{option} splits activations over a tensor axis, and "
+                                f"{self.mesh!r} has none; add one (sl.Mesh(fsdp=-1, tp=2)) or turn {option} off")
         axis = (TensorAxis(tensor_axes[0][1][0], tensor_axes[0][1][1], tensor_axes[0][0], tensor)
                 if tensor_axes and tensor_axes[0][1][1] > 1 else None)
         if tensor_axes and axis is None:

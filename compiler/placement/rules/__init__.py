@@ -2,7 +2,8 @@
 
 One module per family: `pointwise` (elementwise, the optimizer's updates),
 `matmul` (products as einsum equations), `views` (reshapes and data movement),
-`nn` (reductions, softmax, norms, embedding, attention, the loss). An op with
+`nn` (reductions, softmax, norms, embedding, attention), `loss` (log-softmax and
+the negative log-likelihood, on vocabulary blocks under loss parallelism). An op with
 no rule runs when all its arguments are replicated (every rank computes the
 same thing); otherwise propagation stops with an error that names it.
 """
@@ -10,6 +11,7 @@ same thing); otherwise propagation stops with an error that names it.
 from __future__ import annotations
 
 from ..strategy import OpCall, Strategy
+from .loss import LOSS_RULES
 from .matmul import EQUATIONS, WITH_BIAS, addmm_strategies, matmul_strategies
 from .nn import NN_RULES
 from .pointwise import POINTWISE, pointwise_strategies
@@ -23,6 +25,7 @@ RULES = {
     **{op: addmm_strategies for op in WITH_BIAS},
     **VIEW_RULES,
     **NN_RULES,
+    **LOSS_RULES,
 }
 
 

@@ -1,4 +1,4 @@
-"""The ops of networks and losses: reductions, softmax, norms, embedding, attention, negative log-likelihood.
+"""The ops of networks: reductions, softmax, norms, embedding, attention.
 
 Each has the all-replicated strategy, plus the shards it keeps exact: a
 reduction keeps a shard of a dim it does not reduce, and a ``sum`` over a
@@ -6,7 +6,7 @@ sharded dim gives a partial sum; softmax and norms keep shards of the dims they
 do not normalise over; attention keeps a shard of the batch or of the heads (the
 product of a column-parallel projection); an embedding keeps a shard of its
 feature dim, or looks up in a shard of its vocabulary (Note
-[vocabulary-parallel lookup]). The loss sees its logits whole.
+[vocabulary-parallel lookup]). The loss is `compiler.placement.rules.loss`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...ir import collectives
 from ..placements import PARTIAL, REPLICATE, Shard
 from ..strategy import OpCall, Strategy
 from .views import _dim
@@ -28,7 +27,7 @@ def _replicated(call: OpCall) -> Strategy:
 
 def _reduced_dims(call: OpCall, ndim: int) -> tuple[list[int], bool]:
     args = call.node.args
-    if call.node.target is aten.sum.default or len(args) < 2 or args[1] is None or args[1] == []:
+    if call.node.target in (aten.sum.default, aten.mean.default) or len(args) < 2 or args[1] is None or args[1] == []:
         return list(range(ndim)), False
     dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
     keepdim = bool(args[2]) if len(args) > 2 else bool(call.node.kwargs.get("keepdim", False))
@@ -104,22 +103,15 @@ def attention_strategies(call: OpCall) -> list[Strategy]:
     return strategies
 
 
-def _vocabulary_block(graph: fx.Graph, indices: fx.Node, vocabulary: int, axis: str, n: int):
-    """(indices less this rank's first row, whether each falls in this rank's rows, those clamped into them).
+def vocabulary_block(low, indices: fx.Node, vocabulary: int, outside=0):
+    """(whether each index falls in this rank's rows, the index within them, ``outside`` where it does not).
 
-    The rank's first row comes from `collectives.local_block` of the row numbers,
-    the one op that knows the rank's coordinate, so the lowering is plain aten
-    nodes that the memory plan, the simulator and inductor all see.
+    ``low`` is the `compiler.placement.localize.Lowering` of the call.
     """
-    rows = graph.call_function(aten.arange.default, (vocabulary,), {"dtype": torch.long})
-    first = graph.call_function(aten.select.int, (graph.call_function(
-        collectives.local_block, (rows, 0, axis, n)), 0, 0))
-    shifted = graph.call_function(aten.sub.Tensor, (indices, first))
-    inside = graph.call_function(aten.logical_and.default, (
-        graph.call_function(aten.ge.Scalar, (shifted, 0)), graph.call_function(aten.lt.Scalar, (shifted, vocabulary // n))))
-    clamped = graph.call_function(aten.where.self, (inside, shifted, graph.call_function(
-        aten.zeros_like.default, (shifted,))))
-    return graph.call_function(aten.unsqueeze.default, (inside, -1)), clamped
+    shifted = low.call(aten.sub.Tensor, indices, low.first_row(vocabulary))
+    inside = low.call(aten.logical_and.default, low.call(aten.ge.Scalar, shifted, 0),
+                      low.call(aten.lt.Scalar, shifted, vocabulary // low.n))
+    return inside, low.call(aten.where.self, inside, shifted, low.call(aten.full_like.default, shifted, outside))
 
 
 def _lookup_in_vocabulary_block(vocabulary: int):
@@ -130,22 +122,21 @@ def _lookup_in_vocabulary_block(vocabulary: int):
     the reduction the next op needs (an all-reduce, or a reduce-scatter under
     sequence parallelism) is propagation's as anywhere else.
     """
-    def lower(graph: fx.Graph, args: tuple, axis: str, n: int) -> fx.Node:
+    def lower(low, args: tuple) -> fx.Node:
         weight, indices = args[0], args[1]
-        inside, clamped = _vocabulary_block(graph, indices, vocabulary, axis, n)
-        looked_up = graph.call_function(aten.embedding.default, (weight, clamped))
-        return graph.call_function(aten.mul.Tensor, (looked_up, inside))
+        inside, local = vocabulary_block(low, indices, vocabulary)
+        looked_up = low.call(aten.embedding.default, weight, local)
+        return low.call(aten.mul.Tensor, looked_up, low.call(aten.unsqueeze.default, inside, -1))
     return lower
 
 
 def _gradient_of_vocabulary_block(vocabulary: int):
     """The backward of Note [vocabulary-parallel lookup]: this rank's rows' gradient, from its tokens alone."""
-    def lower(graph: fx.Graph, args: tuple, axis: str, n: int) -> fx.Node:
+    def lower(low, args: tuple) -> fx.Node:
         grad, indices = args[0], args[1]
-        inside, clamped = _vocabulary_block(graph, indices, vocabulary, axis, n)
-        masked = graph.call_function(aten.mul.Tensor, (grad, inside))
-        return graph.call_function(aten.embedding_dense_backward.default,
-                                   (masked, clamped, vocabulary // n, -1, False))
+        inside, local = vocabulary_block(low, indices, vocabulary)
+        masked = low.call(aten.mul.Tensor, grad, low.call(aten.unsqueeze.default, inside, -1))
+        return low.call(aten.embedding_dense_backward.default, masked, local, vocabulary // low.n, -1, False)
     return lower
 
 
@@ -188,25 +179,17 @@ def embedding_backward_strategies(call: OpCall) -> list[Strategy]:
     return strategies
 
 
-def replicated_only(call: OpCall) -> list[Strategy]:
-    """Ops that need their arguments whole (the loss): the all-replicated strategy alone."""
-    return [_replicated(call)]
-
-
 NN_RULES = {
     aten.sum.dim_IntList: reduction_strategies,
     aten.sum.default: reduction_strategies,
     aten.mean.dim: reduction_strategies,
+    aten.mean.default: reduction_strategies,
     aten._softmax.default: softmax_strategies,
-    aten._log_softmax.default: softmax_strategies,
     aten._softmax_backward_data.default: softmax_strategies,
-    aten._log_softmax_backward_data.default: softmax_strategies,
     aten.native_layer_norm.default: layer_norm_strategies,
     aten.native_layer_norm_backward.default: layer_norm_backward_strategies,
     aten._scaled_dot_product_flash_attention_for_cpu.default: attention_strategies,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention_strategies,
     aten.embedding.default: embedding_strategies,
     aten.embedding_dense_backward.default: embedding_backward_strategies,
-    aten.nll_loss_forward.default: replicated_only,
-    aten.nll_loss_backward.default: replicated_only,
 }
