@@ -232,6 +232,26 @@ def test_the_tp_options_need_a_tensor_axis_and_round_trip_through_toml(tmp_path,
     assert sl.Spec.from_toml(path) == spec
 
 
+def test_full_recompute_runs_a_units_tp_collectives_again_and_keeps_only_its_input():
+    """Note [recomputed redistributions]: kept, each block's gathered activations would live forward to backward."""
+    case = CASES["llama_tiny"]
+    per_rank = case.make_batch(0)[:4]
+    spec = attrs.evolve(_llama_spec(), options=sl.Options(sequence_parallel=True))
+    plans = {policy: sl.plan(case.builder, case.loss_fn, attrs.evolve(spec, recompute=[("layers.*", policy)]),
+                             example_batch=per_rank, world_size=4) for policy in ("none", "full")}
+    on_tp = {policy: [op for op in p.schedule.ops if op.group == "tp" and op.kind.value != "wait"]
+             for policy, p in plans.items()}
+    forward = [op for op in on_tp["none"] if op.phase.value == "forward"]
+    backward = {policy: [op for op in ops if op.phase.value == "backward"] for policy, ops in on_tp.items()}
+    assert len(backward["none"]) < len(backward["full"]) <= len(backward["none"]) + len(forward)
+    config = case.build().config
+    sequence_shard = 4 * (config.max_seq_len // 2) * config.dim * 4  # a block's input: b*s/tp*h float32
+    kept = {u.unit: u.kept for u in plans["full"].memory.units if u.unit.startswith("layers.")}
+    assert kept == {f"layers.{i}": sequence_shard for i in range(1, config.n_layers)} | {
+        "layers.0": kept["layers.0"]}  # the first block's input is the embedding's whole output
+    assert plans["full"].memory.peak < plans["none"].memory.peak
+
+
 def test_loss_parallel_plans_no_logits_gather_and_less_memory():
     case = CASES["llama_tiny"]
     per_rank = case.make_batch(0)[:4]

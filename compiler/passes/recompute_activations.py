@@ -15,7 +15,7 @@ After, for each unit whose policy in ``ctx.recompute`` is not NONE
     then die in forward.
   - The copies read, and so keep, everything they do not copy: the unit's
     inputs, its outputs (the next unit's inputs), other units' values, the
-    gathered parameters, the values of collectives, and under SELECTIVE the
+    gathered parameters, the values of FSDP's collectives, and under SELECTIVE the
     outputs of matmuls and attention (`saved_by_selective`). The copies are
     backward nodes: `reshard_after_forward`, which runs next, puts the unit's
     backward re-gather before the first of them, so one gather serves the
@@ -36,7 +36,9 @@ recompute reads is read by that unit's backward from the same gather.
 
 Invariant: every copy carries ``meta["custom"]["recompute"]`` (its unit) and
 phase backward; no backward node reads a recomputed value's forward original;
-no copy is a collective, a wait or an in-place update of a value it did not copy.
+no copy is one of FSDP's collectives or waits (a tensor axis's redistributions of
+activations are copied: Note [recomputed redistributions] in
+`compiler.placement.localize`), or an in-place update of a value it did not copy.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch.fx as fx
 from ..context import CompileContext
 from shardlang.errors import CompileError
 from ..ir.graph_utils import positions
-from ..ir.tags import is_inserted, set_phase
+from ..ir.tags import NodeKind, is_inserted, node_tag, set_phase
 from shardlang.spec.vocabulary import Recompute
 from ..ir.rng import is_random, save_rng_state, with_rng_state
 from ..ir.trace import Phase, phase_of, tag_of
@@ -73,6 +75,10 @@ def saved_by_selective(node: fx.Node) -> bool:
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return node.args[0].target in SAVED_BY_SELECTIVE
     return node.target in SAVED_BY_SELECTIVE
+
+
+_REDISTRIBUTIONS = {NodeKind.ALL_GATHER, NodeKind.REDUCE_SCATTER, NodeKind.ALL_REDUCE, NodeKind.WAIT_GATHER,
+                    NodeKind.WAIT_REDUCE}
 
 
 @graph_pass(requires={GraphProperty.PARAMETERS_GATHERED},
@@ -122,7 +128,11 @@ def _copied(nodes: list[fx.Node], policy: Recompute) -> tuple[list[fx.Node], set
 
 
 def _is_forward_compute(node: fx.Node) -> bool:
-    return node.op == "call_function" and phase_of(node) is Phase.FORWARD and not is_inserted(node)
+    """A forward node of the model's, or a tensor axis's redistribution of an activation (Note [recomputed
+    redistributions] in `compiler.placement.localize`), which carries no flat."""
+    if node.op != "call_function" or phase_of(node) is not Phase.FORWARD:
+        return False
+    return not is_inserted(node) or node_tag(node).flat is None and node_tag(node).kind in _REDISTRIBUTIONS
 
 
 def _recompute_region(graph: fx.Graph, unit: str, nodes: list[fx.Node], policy: Recompute) -> None:

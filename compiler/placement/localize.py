@@ -63,7 +63,9 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
         moved = {}
         for r in before.get(node.name, []):
             if (r.arg, r.target) not in made:
+                last = next(reversed(graph.nodes))
                 made[r.arg, r.target] = _redistribute(graph, env, node, r, plan)
+                _in_unit_of(node, last)
             moved[r.arg] = made[r.arg, r.target]
         strategy = plan.strategies.get(node.name)
         args, kwargs = node.args, node.kwargs
@@ -85,6 +87,23 @@ def localize(graph_module: fx.GraphModule, plan: PlacementPlan) -> fx.GraphModul
     local.recompile()
     _local_values(local, graph_module, plan)
     return local
+
+
+def _in_unit_of(consumer: fx.Node, last: fx.Node) -> None:
+    """The nodes after ``last`` (a redistribution) belong to ``consumer``'s unit, so its recompute can copy them.
+
+    Note [recomputed redistributions]: under recompute, a unit's tp collectives
+    run again in its backward, as the region's forward does under torchtitan's
+    activation checkpointing; kept instead, each gathered or reduced activation
+    would live from forward to backward (at 70B a block's 2 GiB, 80 times over).
+    """
+    unit = consumer.meta.get("custom", {}).get("unit")
+    if unit is None:
+        return
+    made = last.next
+    while made.op != "root":
+        made.meta["custom"] = {**made.meta.get("custom", {}), "unit": unit}
+        made = made.next
 
 
 def _lowered(graph: fx.Graph, node: fx.Node, strategy, args: tuple, plan: PlacementPlan):
