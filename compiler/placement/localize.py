@@ -100,21 +100,25 @@ def _in_unit_of(consumer: fx.Node, last: fx.Node) -> None:
     unit = consumer.meta.get("custom", {}).get("unit")
     if unit is None:
         return
-    made = last.next
-    while made.op != "root":
+    for made in _nodes_after(last):
         made.meta["custom"] = {**made.meta.get("custom", {}), "unit": unit}
-        made = made.next
 
 
 def _lowered(graph: fx.Graph, node: fx.Node, strategy, args: tuple, plan: PlacementPlan):
     """The nodes ``strategy.lower`` writes for ``node``, each carrying ``node``'s metadata (phase, source line)."""
     last = next(reversed(graph.nodes))  # the graph's last node before the lowering
     result = strategy.lower(Lowering(graph, node, plan.axis, plan.size), args)
+    for made in _nodes_after(last):
+        made.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "sl")})
+    return result
+
+
+def _nodes_after(last: fx.Node):
+    """The nodes appended to ``last``'s graph after it, in order."""
     made = last.next
     while made.op != "root":
-        made.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "sl")})
+        yield made
         made = made.next
-    return result
 
 
 @attrs.frozen
@@ -150,9 +154,7 @@ class Lowering:
         return self.call(aten.select.int, self.call(collectives.local_block, numbers, 0, self.axis, self.n), 0, 0)
 
     def _detail(self, what: str) -> str:
-        site = site_of_node(self.node)
-        at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
-        return f"{self.axis}: {what} for {self.node.target}{at}"
+        return f"{self.axis}: {what} for {self.node.target}{_at_line(self.node)}"
 
 
 def _local_values(local: fx.GraphModule, logical: fx.GraphModule, plan: PlacementPlan) -> None:
@@ -172,9 +174,7 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     value = next(a for a in consumer.all_input_nodes if a.name == r.arg)
     x = env[value]
     axis, n, src, dst = plan.axis, plan.size, r.source, r.target
-    site = site_of_node(consumer)
-    at = f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
-    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{at}"
+    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{_at_line(consumer)}"
     phase = phase_of(consumer) or phase_of(value)  # the step's output has no phase: its value's (the loss's)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return _along(graph, x, dst.dim, phase, lambda v: _collective(
@@ -193,6 +193,12 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     elif isinstance(dst, Partial):
         x = graph.call_function(collectives.local_partial, (x, axis, n))
     return x
+
+
+def _at_line(node: fx.Node) -> str:
+    """`` at model.py:12`` for the model line that made ``node``; empty when it is not known."""
+    site = site_of_node(node)
+    return f" at {os.path.basename(site.file)}:{site.line}" if site is not None and site.file else ""
 
 
 def _along(graph: fx.Graph, x: fx.Node, dim: int, phase, collective) -> fx.Node:
