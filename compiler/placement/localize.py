@@ -42,6 +42,7 @@ from ..ir.tags import NodeKind, set_phase, tag
 from ..ir.trace import phase_of
 from .placements import Packed, Partial, Replicate, Shard
 from .propagate import PlacementPlan, Redistribution
+from .strategy import tensor_leaves
 
 __all__ = ["localize"]
 
@@ -150,7 +151,8 @@ class Lowering:
 
     def first_row(self, rows: int) -> fx.Node:
         """The first of this rank's block of ``rows`` (a 0-d long): where its block of a split dim starts."""
-        numbers = self.call(aten.arange.default, rows, dtype=torch.long)
+        device = tensor_leaves(self.node)[0].meta["val"].device  # the call's own (the indices' on a GPU)
+        numbers = self.call(aten.arange.default, rows, dtype=torch.long, device=device)
         return self.call(aten.select.int, self.call(collectives.local_block, numbers, 0, self.axis, self.n), 0, 0)
 
     def _detail(self, what: str) -> str:
