@@ -65,6 +65,11 @@ class Setting:
     def modes(self) -> tuple[str, ...]:
         return ("shardlang", "fsdp2+tp" if self.data > 1 else "dtensor-tp") + self.variants
 
+    @property
+    def planned(self) -> tuple[str, ...]:
+        """The modes with a plan to set beside the measure."""
+        return tuple(m for m in self.modes if m in PLANNED)
+
     def batch(self, k: int, rank: int) -> torch.Tensor:
         tokens = make_tokens(k, GLOBAL_BATCH, self.seq, CONFIG_30M.vocab_size)
         return split_batch(tokens, self.data, rank // self.tensor)  # ranks of one tp group take the same rows
@@ -137,7 +142,7 @@ def _eager_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 VARIANTS = {"shardlang+sp": {"sequence_parallel": True}, "shardlang+lp": {"loss_parallel": True}}
 BUILDERS = {"shardlang": _Shardlang, "fsdp2+tp": _TorchTitan, "dtensor-tp": _TorchTitan,
             **{mode: functools.partial(_Shardlang, options=options) for mode, options in VARIANTS.items()}}
-PLANNED = ("shardlang", *VARIANTS)  # the modes with a plan to set beside the measure
+PLANNED = ("shardlang", *VARIANTS)  # the modes that have a plan
 
 
 def _prime(setting: Setting, rank: int) -> None:
@@ -183,7 +188,7 @@ def run_rank(ctx, setting: Setting) -> dict:
         with StepProbe() as probe:
             records[mode]["loss"] = float(trainers[mode](setting.batch(setting.warmup + setting.steps, ctx.rank)))
         records[mode]["peak"] = records[mode]["state"] + probe.peak - start
-    for mode in set(PLANNED) & set(setting.modes):  # the plan beside the measure
+    for mode in setting.planned:  # the plan beside the measure
         records[mode]["plan_peak"] = trainers[mode].step.compiled.memory.peak
     del trainers
     gc.collect()
@@ -198,7 +203,7 @@ def _summary(setting: Setting, ranks: list[dict]) -> dict:
                      "peak_mib": max(r[mode]["peak"] for r in ranks) / 2**20,
                      "state_mib": max(r[mode]["state"] for r in ranks) / 2**20,
                      "loss": ranks[0][mode]["loss"]}
-    for mode in [m for m in PLANNED if m in setting.modes]:
+    for mode in setting.planned:
         errors = [(r[mode]["plan_peak"] - r[mode]["peak"]) / r[mode]["peak"] for r in ranks]
         out[mode]["plan_peak_mib"] = max(r[mode]["plan_peak"] for r in ranks) / 2**20
         out[mode]["plan_error"] = [min(errors), max(errors)]  # (plan - measured) / measured, over ranks

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..placements import PARTIAL, REPLICATE, Shard
 from ..strategy import OpCall, Strategy
-from .nn import _replicated, softmax_strategies, vocabulary_block
+from .nn import replicated, softmax_strategies, vocabulary_block
 from .views import _dim
 
 aten = torch.ops.aten
@@ -79,7 +79,7 @@ def _splittable(call: OpCall, logp: fx.Node, weight: object) -> bool:
 
 def nll_forward_strategies(call: OpCall) -> list[Strategy]:
     """``nll_loss_forward(logp, target, weight, reduction, ignore_index)``: whole; or on class blocks, partial."""
-    strategies = [_replicated(call)]
+    strategies = [replicated(call)]
     logp = call.node.args[0]
     if _splittable(call, logp, call.node.args[2]):
         inputs = tuple(Shard(1) if a is logp else REPLICATE for a in call.leaves)
@@ -108,7 +108,7 @@ def _nll_of_blocks(call: OpCall):
 
 def nll_backward_strategies(call: OpCall) -> list[Strategy]:
     """``nll_loss_backward(grad, logp, target, weight, reduction, ignore_index, total_weight)``, on class blocks."""
-    strategies = [_replicated(call)]
+    strategies = [replicated(call)]
     logp = call.node.args[1]
     if _splittable(call, logp, call.node.args[3]):
         inputs = tuple(Shard(1) if a is logp else REPLICATE for a in call.leaves)

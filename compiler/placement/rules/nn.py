@@ -21,13 +21,15 @@ from .views import _dim
 aten = torch.ops.aten
 
 
-def _replicated(call: OpCall) -> Strategy:
+def replicated(call: OpCall) -> Strategy:
+    """The strategy every op has: all arguments and outputs whole on every rank."""
     return Strategy(tuple(REPLICATE for _ in call.placements), tuple(REPLICATE for _ in call.out_shapes))
 
 
 def _reduced_dims(call: OpCall, ndim: int) -> tuple[list[int], bool]:
     args = call.node.args
-    if call.node.target in (aten.sum.default, aten.mean.default) or len(args) < 2 or args[1] is None or args[1] == []:
+    whole = call.node.target in (aten.sum.default, aten.mean.default)
+    if whole or len(args) < 2 or args[1] is None or args[1] == []:
         return list(range(ndim)), False
     dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
     keepdim = bool(args[2]) if len(args) > 2 else bool(call.node.kwargs.get("keepdim", False))
@@ -39,7 +41,7 @@ def reduction_strategies(call: OpCall) -> list[Strategy]:
     (source,) = call.shapes
     reduced, keepdim = _reduced_dims(call, len(source))
     sums = call.node.target in (aten.sum.dim_IntList, aten.sum.default)
-    strategies = [_replicated(call), Strategy((PARTIAL,), (PARTIAL,))]
+    strategies = [replicated(call), Strategy((PARTIAL,), (PARTIAL,))]
     for d in range(len(source)):
         if source[d] % call.n or source[d] == 1:
             continue
@@ -56,7 +58,7 @@ def _batch_dims_strategies(call: OpCall, free_dims: range, outputs) -> list[Stra
     """Every tensor argument of the source's rank sharded on ``d`` for each free dim ``d``; others replicated."""
     shapes = call.shapes
     ndim = len(shapes[0])
-    strategies = [_replicated(call)]
+    strategies = [replicated(call)]
     for d in free_dims:
         if shapes[0][d] % call.n or shapes[0][d] == 1:
             continue
@@ -93,7 +95,7 @@ def attention_strategies(call: OpCall) -> list[Strategy]:
     """Scaled dot-product attention, forward and backward: every ``(b, h, s, d)`` tensor sharded on b or on h."""
     outs = call.out_shapes
     shapes = call.shapes
-    strategies = [_replicated(call)]
+    strategies = [replicated(call)]
     for d in (0, 1):
         if any(len(s) >= 3 and s[d] > 1 and s[d] % call.n for s in shapes):
             continue
@@ -152,7 +154,7 @@ def embedding_strategies(call: OpCall) -> list[Strategy]:
     """``embedding(weight, indices)``: a shard of the feature dim, of the indices' dims, or of the vocabulary."""
     weight, indices = call.shapes
     out = call.out_shapes[0]
-    strategies = [_replicated(call)]
+    strategies = [replicated(call)]
     if weight[0] % call.n == 0 and _plain_lookup(call, 2):
         strategies.append(Strategy((Shard(0), REPLICATE), (PARTIAL,), lower=_lookup_in_vocabulary_block(weight[0])))
     if weight[1] % call.n == 0:
@@ -166,7 +168,7 @@ def embedding_strategies(call: OpCall) -> list[Strategy]:
 def embedding_backward_strategies(call: OpCall) -> list[Strategy]:
     """``embedding_dense_backward(grad, indices, num_weights, ...)``: feature shards, or a partial sum over rows."""
     grad, indices = call.shapes
-    strategies = [_replicated(call), Strategy((PARTIAL, REPLICATE), (PARTIAL,))]
+    strategies = [replicated(call), Strategy((PARTIAL, REPLICATE), (PARTIAL,))]
     vocabulary = call.node.args[2]
     if vocabulary % call.n == 0 and _plain_lookup(call, 3):
         strategies.append(Strategy((REPLICATE, REPLICATE), (Shard(0),),
