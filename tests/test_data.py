@@ -17,12 +17,15 @@ import re
 import shutil
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
 import shardlang as sl
 from shardlang.cli import main
+from shardlang.cli.common import rank_batch, split_for_rank
+from shardlang.cli.job import load_job
 from shardlang.data import preparation as preparing
 from shardlang.data import read_index
 from shardlang.errors import DataError
@@ -157,6 +160,19 @@ def test_rows_are_the_global_batch_rows_at_every_world_size(data):
         for world in (1, 2, 4):
             per = 8 // world
             assert torch.equal(torch.cat([batches.rows(k, r * per, (r + 1) * per) for r in range(world)]), whole)
+
+
+def test_ranks_that_differ_only_in_tp_read_the_same_rows(data, monkeypatch):
+    """A row reader is asked for the rows the mesh's data axes give a rank, as a whole global batch is split."""
+    monkeypatch.setenv("SHARDLANG_TEST_DATA", str(data))
+    job = load_job(TOKENS_JOB)
+    for mesh in (sl.Mesh(fsdp=-1, tp=2), sl.Mesh(dp=2, tp=2), sl.Mesh(tp=2, fsdp=-1)):
+        on_mesh = attrs.evolve(job, spec=sl.Spec(mesh=mesh))
+        read = [rank_batch(on_mesh, 3, 4, rank) for rank in range(4)]
+        split = [split_for_rank(on_mesh, on_mesh.make_batch(3), 4, rank, 3) for rank in range(4)]
+        assert all(torch.equal(r, s) for r, s in zip(read, split)), mesh
+        parts = {mesh.batch_split(4, rank) for rank in range(4)}
+        assert len(parts) == 2 and all(r.shape[0] == 4 for r in read), mesh  # two row groups of 4, tp peers share
 
 
 def test_every_epoch_visits_every_sequence_once_in_an_order_of_the_seed(data):

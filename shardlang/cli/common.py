@@ -49,7 +49,7 @@ def compile_job(job: Job, model: torch.nn.Module, example, ctx: DistContext, see
 
 
 def rank_batch(job: Job, step: int, world: int, rank: int, evaluation: bool = False):
-    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks.
+    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks, split over the mesh's data axes.
 
     A batch maker that reads rows (``sl.data.tokens``: ``rows(step, start, stop)`` and an int ``global_batch``)
     is asked for this rank's rows alone, the rows `split_batch` would cut; any other is called for the whole
@@ -60,11 +60,13 @@ def rank_batch(job: Job, step: int, world: int, rank: int, evaluation: bool = Fa
     rows, size = getattr(source, "rows", None), getattr(source, "global_batch", None)
     if not (callable(rows) and isinstance(size, int)):
         return split_for_rank(job, global_batch(job, step, evaluation=evaluation), world, rank, step, maker)
-    if size % world:
-        raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}: global batch size {size} does not divide by world "
-                                    f"size {world}; use a multiple of {world}, e.g. {size - size % world or world}")
-    per_rank = size // world
-    return converted(job, rows(step, rank * per_rank, (rank + 1) * per_rank))
+    parts, index = job.spec.mesh.batch_split(world, rank)  # ranks that differ only on a tensor axis share rows
+    if size % parts:
+        raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}: global batch size {size} does not divide into "
+                                    f"{parts} data-parallel parts ({world} ranks on mesh {job.spec.mesh!r}); use a "
+                                    f"multiple of {parts}, e.g. {size - size % parts or parts}")
+    per_rank = size // parts
+    return converted(job, rows(step, index * per_rank, (index + 1) * per_rank))
 
 
 def eval_example(job: Job, world: int, rank: int = 0):
