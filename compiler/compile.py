@@ -105,12 +105,14 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     flats = config.flats()
     optimizer = GroupedOptimizer.build(optimizer, config.training.group_overrides)
     if traced is None:
-        trace = trace_step_replicated if _is_fake(model) else trace_step  # Note [replicated trace]: planning
         logical = config.logical_flats() if config.tensor is not None else flats  # Note [tp-local flats]
-        traced = trace(model, loss_fn, logical, optimizer, example_batch, data_parallel_size=config.mesh.size,
-                       training=config.training, buffers=buffers, tied=tied)
-        if config.tensor is not None:
-            traced = tensor_parallel_step(traced, config.tensor)
+        local = None if config.tensor is None else functools.partial(tensor_parallel_step, axis=config.tensor)
+        traced_as = dict(data_parallel_size=config.mesh.size, training=config.training, buffers=buffers, tied=tied)
+        if _is_fake(model):  # Note [replicated trace]: planning; a tensor axis localizes the short traces
+            traced = trace_step_replicated(model, loss_fn, logical, optimizer, example_batch, then=local, **traced_as)
+        else:
+            traced = trace_step(model, loss_fn, logical, optimizer, example_batch, **traced_as)
+            traced = traced if local is None else local(traced)
         traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
     ctx = CompileContext(config, flats, traced.inputs)
     check = structural_check if check_each_pass else None

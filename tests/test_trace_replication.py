@@ -20,6 +20,7 @@ import models
 import shardlang as sl
 from shardlang.compiler.ir import replicate
 from shardlang.compiler.ir.replicate import describe_graph
+from tensor_parallel_workers import column, row
 
 LAYERS = 6
 
@@ -36,12 +37,13 @@ def gpt_case(layers: int = LAYERS):  # its head is tied to the token embedding
         "blocks.*"
 
 
-def plan_both(monkeypatch, case, world: int, recompute=None, budget=None):
+def plan_both(monkeypatch, case, world: int, recompute=None, budget=None, tp: int = 1, rules=None, **options):
     """(plan from the replicated trace, plan from the full trace) of one model and spec."""
     build, loss_fn, batch, units = case
-    spec = sl.Spec(sl.Mesh(fsdp=world), units=[units], recompute=recompute,
-                   options=sl.Options(memory_budget=budget))
-    rows = batch.shape[0] // world
+    mesh = sl.Mesh(fsdp=world // tp, tp=tp) if tp > 1 else sl.Mesh(fsdp=world)
+    spec = sl.Spec(mesh, rules=rules, units=[units], recompute=recompute,
+                   options=sl.Options(memory_budget=budget, **options))
+    rows = batch.shape[0] // (world // tp)
     plans = []
     for min_units in (5, 10**9):
         monkeypatch.setattr(replicate, "MIN_UNITS", min_units)
@@ -81,6 +83,20 @@ def test_llama_plan_under_a_budget(monkeypatch):
 @pytest.mark.parametrize("world,recompute", [(1, None), (4, [("blocks.*", "full")])])
 def test_gpt_with_tied_head_plan_from_replicated_trace(monkeypatch, world, recompute):
     assert_same_plan(*plan_both(monkeypatch, gpt_case(), world, recompute))
+
+
+LLAMA_TP_RULES = [*column("*.wq.weight", "*.wk.weight", "*.wv.weight", "*.w1.weight", "*.w3.weight", "output.weight",
+                          "tok_embeddings.weight"), *row("*.wo.weight", "*.w2.weight"), ("*", sl.shard("fsdp"))]
+
+
+@pytest.mark.parametrize("world,tp,recompute", [(2, 2, None), (4, 2, [("layers.*", "full")])])
+def test_a_tensor_axis_localizes_the_short_traces_and_plans_as_the_full_trace(monkeypatch, world, tp, recompute):
+    """Sequence and loss parallelism and a vocabulary-parallel embedding: every tp collective is replicated too."""
+    replicated, full = plan_both(monkeypatch, llama_case(), world, recompute, tp=tp, rules=LLAMA_TP_RULES,
+                                 sequence_parallel=True, loss_parallel=True)
+    assert_same_plan(replicated, full)
+    assert full.traced.placements is not None and replicated.traced.placements is None
+    assert any(op.kind is sl.OpKind.REDUCE_SCATTER and op.flat is None for op in full.schedule.ops)  # tp's
 
 
 def test_too_few_layers_trace_in_full(monkeypatch):

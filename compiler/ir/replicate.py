@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -61,12 +62,15 @@ class NotReplicable(Exception):
 
 
 def trace_step_replicated(model: torch.nn.Module, loss_fn, flats, optimizer, batch, *, min_units: int | None = None,
-                          **kwargs) -> TracedStep:
-    """`trace_step` of ``model``, from traces of 3 and 4 of its repeated layers when that is exact.
+                          then: Callable[[TracedStep], TracedStep] | None = None, **kwargs) -> TracedStep:
+    """``then(trace_step(...))`` of ``model``, from traces of 3 and 4 of its repeated layers when that is exact.
 
     Used by planning (fake parameters): ``kwargs`` are `trace_step`'s. Falls
     back to the full trace when the model has fewer than ``min_units``
     identical repeated layers or the check of Note [replicated trace] fails.
+    ``then`` (a tensor axis's `tensor_parallel_step`) rewrites each short trace
+    before the check, so it runs on 3 and 4 layers rather than on all of them;
+    a step built so carries no placement plan (``placements`` is None).
 
     Example::
 
@@ -76,10 +80,14 @@ def trace_step_replicated(model: torch.nn.Module, loss_fn, flats, optimizer, bat
     if repeated is not None:
         prefix, n = repeated
         try:
-            return _replicated(model, loss_fn, flats, optimizer, batch, prefix, n, kwargs)
+            return _replicated(model, loss_fn, flats, optimizer, batch, prefix, n, kwargs, then or _unchanged)
         except (NotReplicable, TraceError):  # a model that fails to trace reports it from its full trace
             pass
-    return trace_step(model, loss_fn, flats, optimizer, batch, **kwargs)
+    return (then or _unchanged)(trace_step(model, loss_fn, flats, optimizer, batch, **kwargs))
+
+
+def _unchanged(traced: TracedStep) -> TracedStep:
+    return traced
 
 
 def repeated_layers(model: torch.nn.Module, flats, min_units: int) -> tuple[str, int] | None:
@@ -111,7 +119,7 @@ def _same_layer(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def _layer_of(name: str, prefix: str) -> int | None:
-    match = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", name)
+    match = re.match(re.escape(prefix) + r"\.(\d+)(\.|#|$)", name)  # "layers.3#tp": a tensor axis's flat
     return int(match[1]) if match else None
 
 
@@ -162,9 +170,9 @@ def _short_trace(model, loss_fn, flats, optimizer, batch, prefix, k, kwargs) -> 
         return trace_step(model, loss_fn, tuple(keep), optimizer, batch, **short)
 
 
-def _replicated(model, loss_fn, flats, optimizer, batch, prefix: str, n: int, kwargs) -> TracedStep:
-    three = _short_trace(model, loss_fn, flats, optimizer, batch, prefix, 3, kwargs)
-    four = _short_trace(model, loss_fn, flats, optimizer, batch, prefix, 4, kwargs)
+def _replicated(model, loss_fn, flats, optimizer, batch, prefix: str, n: int, kwargs, then) -> TracedStep:
+    three = then(_short_trace(model, loss_fn, flats, optimizer, batch, prefix, 3, kwargs))
+    four = then(_short_trace(model, loss_fn, flats, optimizer, batch, prefix, 4, kwargs))
     plan = _Periodic(three, four, prefix)
     mine, traced = describe_graph(plan.build(4)), describe_graph(four.graph_module.graph)
     if mine != traced:
@@ -314,20 +322,28 @@ class _Periodic:
             name = f"arg{placeholders}_1"
             node = graph.create_node("placeholder", name, args, kwargs, name=name, type_expr=template.type)
         else:
-            target = template.target
-            name = (graph._target_to_str(target.overloadpacket.__name__)  # as make_fx names an aten op's node
-                    if isinstance(target, torch._ops.OpOverload) else None)
-            node = graph.create_node(template.op, target, args, kwargs, name=name, type_expr=template.type)
+            # the template's name without its count ("mm_3" -> "mm", "movedim_int_2" -> "movedim_int"): the graph
+            # counts again in creation order, as make_fx and a tensor axis's localize named the traced nodes
+            name = re.sub(r"_\d+$", "", template.name)
+            node = graph.create_node(template.op, template.target, args, kwargs, name=name, type_expr=template.type)
         meta = dict(template.meta)
         custom = meta.get("custom")
         if custom is not None:
-            if t is None and any(_layer_of(str(v), self.prefix) is not None for v in custom.values()):
-                raise NotReplicable("a node outside the layers has a layer's tag")
-            meta["custom"] = {k: _shift(v, self.prefix, by) for k, v in custom.items()}  # unit, member, module...
+            if t is None:  # a fixed node tagged with the first or last layer (a tp collective between the layers)
+                meta["custom"] = {k: self._fixed_tag(v, n) for k, v in custom.items()}
+            else:
+                meta["custom"] = {k: _shift(v, self.prefix, by) for k, v in custom.items()}  # unit, member, module...
         if "val" in meta:
             meta["val"] = self._value(template, t, j, n, env, storages)
         node.meta = meta
         return node
+
+    def _fixed_tag(self, value, n: int):
+        """A fixed node's tag: layer 0's stays, the last layer's (2 of 3) becomes ``n - 1``'s; the middle's cannot."""
+        layer = _layer_of(str(value), self.prefix) if isinstance(value, str) else None
+        if layer == 1:
+            raise NotReplicable(f"a node outside the layers has the middle layer's tag {value!r}")
+        return value if layer in (None, 0) else _shift(value, self.prefix, n - 3)
 
     def _value(self, template: fx.Node, t, j, n: int, env, storages):
         """The template's fake value for the new node: fresh storages where it had its own, views elsewhere."""
@@ -377,7 +393,8 @@ def _view(base: torch.Tensor, like: FakeTensor) -> FakeTensor:
 
 
 def describe_graph(graph: fx.Graph) -> list:
-    """Node for node what Note [replicated trace] checks: names, ops, targets, arguments, tags, values.
+    """Node for node what Note [replicated trace] checks: names, ops, targets, arguments, tags (a tensor axis's
+    collectives' too), values.
 
     A value is, per tensor, its `tensor_layout` and its storage numbered in
     order of first appearance (which values share one).
@@ -392,6 +409,6 @@ def describe_graph(graph: fx.Graph) -> list:
             else:
                 values.append(repr(leaf))
         args = fx.node.map_arg((node.args, node.kwargs), lambda r: ("node", r.name))
-        rows.append((node.name, node.op, str(node.target), repr(args), node.meta.get("custom"),
+        rows.append((node.name, node.op, str(node.target), repr(args), node.meta.get("custom"), node.meta.get("sl"),
                      node.meta.get("stack_trace"), "val" in node.meta, tuple(values)))
     return rows

@@ -176,7 +176,8 @@ def _redistribute(graph: fx.Graph, env, consumer: fx.Node, r: Redistribution, pl
     value = next(a for a in consumer.all_input_nodes if a.name == r.arg)
     x = env[value]
     axis, n, src, dst = plan.axis, plan.size, r.source, r.target
-    detail = f"{axis}: {r.arg} {src!r} -> {dst!r} for {consumer.target}{_at_line(consumer)}"
+    # no node names: a replicated trace's layers share their template's details (Note [replicated trace])
+    detail = f"{axis}: {src!r} -> {dst!r} for {consumer.target}{_at_line(consumer)}"
     phase = phase_of(consumer) or phase_of(value)  # the step's output has no phase: its value's (the loss's)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return _along(graph, x, dst.dim, phase, lambda v: _collective(
