@@ -29,6 +29,12 @@ count as identical when their module classes, parameters (names, shapes,
 dtypes, requires_grad), buffers and plain attributes (ints, strings, flags:
 what a layer's code may branch on) are the same and they have no hooks.
 
+On a tensor axis, `tensor_parallel_step` localizes the 3- and 4-layer traces
+before the check (``then``), so propagation and localization see 4 layers,
+not 80; the tp collectives are part of each layer's block, and a collective
+between the layers (the embedding's reduce-scatter, consumed by layer 0) is
+a fixed node tagged with the first or the last layer.
+
 What the check cannot see: code outside the layers that treats a layer by its
 index from the fifth on (``if i == 40``), or a layer's code that reads state
 other than its attributes. ``meta["seq_nr"]`` (autograd's counter, which no
