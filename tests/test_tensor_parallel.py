@@ -265,13 +265,6 @@ def test_loss_parallel_plans_no_logits_gather_and_less_memory():
     assert plans[True].memory.peak <= plans[False].memory.peak  # the tiny model peaks in a block, not at the loss
 
 
-def test_what_a_tensor_axis_cannot_do_yet_is_refused_before_training(tmp_path):
-    case = CASES["llama_tiny"]
-    with pytest.raises(sl.SpecError, match=r"tune on a mesh with tensor axis 'tp' is not supported yet"):
-        from shardlang.tune.search import tune
-        tune(case.build, case.loss_fn, _llama_spec(), sl.AdamW(lr=1e-3), case.make_batch(0)[:4], 4, None, None)
-
-
 def test_evaluation_on_a_2d_mesh_is_the_reference_models_loss(run_on, references):
     results = run_on(4, workers.evaluate_tensor_parallel, "llama_tiny", 2)
     case = CASES["llama_tiny"]

@@ -49,24 +49,32 @@ def compile_job(job: Job, model: torch.nn.Module, example, ctx: DistContext, see
 
 
 def rank_batch(job: Job, step: int, world: int, rank: int, evaluation: bool = False):
-    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks, split over the mesh's data axes.
+    """Rank ``rank``'s part of global batch ``step`` over ``world`` ranks, split over the mesh's data axes."""
+    parts, index = job.spec.mesh.batch_split(world, rank)  # ranks that differ only on a tensor axis share rows
+    return batch_part(job, step, parts, index, evaluation)
+
+
+def batch_part(job: Job, step: int, parts: int, index: int, evaluation: bool = False):
+    """Part ``index`` of global batch ``step`` cut into ``parts`` equal runs of rows.
 
     A batch maker that reads rows (``sl.data.tokens``: ``rows(step, start, stop)`` and an int ``global_batch``)
-    is asked for this rank's rows alone, the rows `split_batch` would cut; any other is called for the whole
+    is asked for those rows alone, the rows `split_batch` would cut; any other is called for the whole
     global batch, which is then split.
     """
     maker = "make_eval_batch" if evaluation else "make_batch"
     source = getattr(job, maker)
     rows, size = getattr(source, "rows", None), getattr(source, "global_batch", None)
     if not (callable(rows) and isinstance(size, int)):
-        return split_for_rank(job, global_batch(job, step, evaluation=evaluation), world, rank, step, maker)
-    parts, index = job.spec.mesh.batch_split(world, rank)  # ranks that differ only on a tensor axis share rows
+        try:
+            return split_batch(global_batch(job, step, evaluation=evaluation), parts, index)
+        except ShardlangRuntimeError as exc:
+            raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}({step}): {exc}") from exc
     if size % parts:
         raise ShardlangRuntimeError(f"{shown(job.path)}: {maker}: global batch size {size} does not divide into "
-                                    f"{parts} data-parallel parts ({world} ranks on mesh {job.spec.mesh!r}); use a "
-                                    f"multiple of {parts}, e.g. {size - size % parts or parts}")
-    per_rank = size // parts
-    return converted(job, rows(step, index * per_rank, (index + 1) * per_rank))
+                                    f"{parts} data-parallel parts (mesh {job.spec.mesh!r}); use a multiple of "
+                                    f"{parts}, e.g. {size - size % parts or parts}")
+    per_part = size // parts
+    return converted(job, rows(step, index * per_part, (index + 1) * per_part))
 
 
 def eval_example(job: Job, world: int, rank: int = 0):

@@ -25,7 +25,7 @@ from ..tune.calibrate import beyond_probes
 from ..tune.search import tune
 from .args import (add_model_arguments, add_spec_argument, byte_size, cost_model, nonnegative_int, positive,
                    spec_path, step_memory_budget)
-from .common import rank_batch, shown
+from .common import batch_part, shown
 from .job import build, load_job
 
 TABLE_ROWS = 8
@@ -51,6 +51,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--jobs", metavar="J", type=positive("a number of processes"), default=default_jobs(),
                         help="layouts compiled at once, each in a process of its own (default: the cores this "
                              f"process may use, at most {MAX_DEFAULT_JOBS}; each holds one compile in memory)")
+    parser.add_argument("--node-size", metavar="G", type=positive("a number of ranks"), default=8,
+                        help="ranks per node: on a mesh with a tensor axis, the tp degrees searched are the "
+                             "divisors of G that divide N (default 8)")
     parser.add_argument("--out", metavar="PATH", default=None, help="write the chosen spec to PATH as TOML")
     add_model_arguments(parser)
     parser.set_defaults(command=main)
@@ -76,14 +79,16 @@ def main(args) -> int:
     if budget != args.memory_budget:
         print(f"  the runtime's own {human_bytes(args.memory_budget - budget)} (measured by the calibration) come "
               f"off the budget: each step plans within {human_bytes(budget)}", flush=True)
-    result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+    result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, batch_part(job, 0, world, 0), world,
                   budget, cost_model(args), say=lambda line: print("  " + line, flush=True),
-                  keep=max(1, args.measure or 0), workers=args.jobs)
+                  keep=max(1, args.measure or 0), workers=args.jobs,
+                  batch_for=lambda parts: batch_part(job, 0, parts, 0), node_size=args.node_size)
     print(f"\nsearched {result.layouts_seen} layouts in {result.seconds:.1f} s with {result.compiles} compiles "
           f"({args.jobs} at a time): "
           f"{sum(not u.compiled for u in result.unfit)} pruned by memory and "
           f"{sum(not b.compiled for b in result.bounded)} by time before compiling, "
-          f"{sum(b.compiled for b in result.bounded)} given up by time after compiling\n")
+          f"{sum(b.compiled for b in result.bounded)} given up by time after compiling"
+          + (f", {len(result.skipped)} left out (the model cannot take them)" if result.skipped else "") + "\n")
     if result.best is None:
         print(result.shortfall())
         return 1

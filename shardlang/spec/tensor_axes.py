@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from shardlang.errors import SpecError
 from shardlang.spec.layout import Layout, Replicate, Shard, replicate
 
-__all__ = ["TENSOR_AXES", "default_data_axis", "is_tensor_axis", "refuse_tensor_axis", "split_layout"]
+__all__ = ["TENSOR_AXES", "default_data_axis", "is_tensor_axis", "split_layout"]
 
 TENSOR_AXES = frozenset({"tp"})
 """The axis names that are tensor axes."""
@@ -75,15 +75,6 @@ def split_layout(layout: Layout | tuple[Layout, ...], axes: Sequence[str],
                                 "a parameter is sharded over one data axis and replicated over the others")
             data.append(one)
     return (data[0] if data else replicate()), tensor
-
-
-def refuse_tensor_axis(axes: Sequence[str], what: str) -> None:
-    """Raise `SpecError` when ``axes`` (a mesh's names) hold a tensor axis: ``what`` is not built for one yet."""
-    tensor = [a for a in axes if is_tensor_axis(a)]
-    if tensor:
-        raise SpecError(f"{what} on a mesh with tensor axis {tensor[0]!r} is not supported yet "
-                        "(docs/tensor_parallel.md, 'Not yet on a tensor axis'); "
-                        "train on data axes alone to use it")
 
 
 def default_data_axis(axes: Sequence[str]) -> str:

@@ -56,9 +56,29 @@ prunes the rest early. A grouping that leads is not grouped again. A search arou
 than over every layout: at 70B, grouping every mesh split would double the
 compiles for latencies that are a few milliseconds of a 14 s step.
 
+Note [tensor degrees]: where the job's mesh has a tensor axis, its rules say
+how tp splits each parameter, and the search tries every tp degree ``t`` that
+divides both the world and the node size (tp stays inside a node, on its
+fastest link; ``--node-size``, 8 by default), each over every split of the data
+axes at ``world / t`` ranks, with the job's sequence and loss parallelism; the
+ranks of a tp group share their rows, so each degree compiles for the global
+batch cut in ``world / t`` parts. Degree 1 is the job without the tensor axis:
+its rules keep their data-axis layouts, so FSDP alone is a candidate beside
+the 2-D layouts. As soon as a tp layout is among the leading ``keep``, its
+sequence and loss parallelism set the other three ways join the queue, as its
+groupings do (Note [grouped blocks]). A degree the model cannot take (a dim
+tp does not divide, a sequence sequence parallelism cannot split, logits that
+reach the loss whole under loss parallelism) is left out with the reason, when
+its spec resolves or its step compiles; the search goes on. A tp layout's
+step floor adds, to its flat parameters' collectives over the data axes, the
+time of its forward's tp collectives, learnt from the first compiled layout of
+the same degree and options: recompute copies collectives into backward, never
+out of the forward, so every schedule of the layout runs at least those.
+
 The search never changes what is computed: dtypes, mixed precision, optimizer, loss
 and every other option of the job's spec are kept; only units, strategies,
-mesh, bucketing, recompute and prefetch change.
+mesh (its tp degree too), bucketing, sequence and loss parallelism, recompute
+and prefetch change.
 
 Note [the job's own choices]: what the job's spec already sets is where the
 search starts, never a constraint that stops it. Its units are the first
@@ -83,6 +103,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import heapq
 import itertools
 import math
@@ -99,12 +120,16 @@ from .. import api
 from ..compiler import Adam, AdamW, CostModel, SGD, human_bytes, make_plan
 from ..compiler.analysis.budget import BudgetError, BudgetHints, SearchAbandoned
 from ..compiler.analysis.formulas import REGATHER_DETAIL, flat_collectives
-from ..compiler.schedule.schedule import FlatSummary, OpKind, flat_summary
-from ..errors import SpecError
+from ..compiler.analysis.cost import group_axes
+from ..compiler.ir.trace import Phase
+from ..compiler.schedule.schedule import COLLECTIVE_KINDS, FlatSummary, OpKind, flat_summary
+from ..errors import CompileError, SpecError
 from ..spec.mesh import Mesh
 from ..spec.recompute import RecomputeRule
 from ..spec.spec import Spec
-from ..spec.tensor_axes import refuse_tensor_axis
+from ..spec.patterns import first_match
+from ..spec.rules import Rule
+from ..spec.tensor_axes import is_tensor_axis, split_layout
 from ..spec.strategy import Strategy
 from ..spec.units import ROOT_UNIT, default_units, find_units, unit_label, unit_of
 from .patterns import unit_patterns
@@ -126,13 +151,23 @@ class Layout:
     bucket_bytes: int = 0  # the Options.bucket_bytes that groups them (with group > 1)
     recompute: tuple[RecomputeRule, ...] | None = None  # the job's rules that fit these units, without a budget
     left_out: tuple[str, ...] = ()  # why each of the job's other recompute rules does not go with this layout
+    tensor: int = 1  # the tp degree (Note [tensor degrees]): 1 is no tensor axis, the job's rules on the data axes
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     def describe(self) -> str:
         axes = " x ".join(f"{name}={size}" for name, size in self.mesh.axes)
         units = "the whole model" if self.units == () else ", ".join(self.units or ("default blocks",))
         grouped = f" {self.group} per collective" if self.group > 1 else ""
         strategy = "the job's strategies" if self.strategy is None else self.strategy.value
-        return f"{strategy} units [{units}]{grouped} mesh {axes}"
+        options = [name for name, on in (("sequence parallel", self.sequence_parallel),
+                                         ("loss parallel", self.loss_parallel)) if on]
+        return f"{strategy} units [{units}]{grouped} mesh {axes}" + "".join(f", {o}" for o in options)
+
+    @property
+    def data_axes(self) -> dict[str, int]:
+        """The mesh's axes that split the batch (and shard flat parameters): all but the tensor axis."""
+        return {name: size for name, size in self.mesh.axes if not is_tensor_axis(name)}
 
 
 @attrs.frozen
@@ -180,10 +215,11 @@ class TuneResult:
     seconds: float
     compiles: int
     bounded: tuple[Bounded, ...] = ()
+    skipped: tuple[tuple[Layout, str], ...] = ()  # layouts this model cannot take, each with the reason
 
     @property
     def layouts_seen(self) -> int:
-        return len(self.fitting) + len(self.unfit) + len(self.bounded)
+        return len(self.fitting) + len(self.unfit) + len(self.bounded) + len(self.skipped)
 
     @property
     def best(self) -> Evaluated | None:
@@ -229,8 +265,9 @@ class TuneResult:
                 f"{human_bytes(leanest.least_bytes)} fits")
 
 
-def layouts(model: torch.nn.Module, spec: Spec, world: int) -> list[Layout]:
-    """Every layout of the search for ``model`` at ``world`` ranks (Note [the tune search]), without duplicates."""
+def layouts(model: torch.nn.Module, spec: Spec, world: int, node_size: int = 8) -> list[Layout]:
+    """Every layout of the search for ``model`` at ``world`` ranks (Note [the tune search]), without duplicates;
+    on a job's mesh with a tensor axis, at every tp degree up to ``node_size`` (Note [tensor degrees])."""
     grains: list[tuple[str, tuple[str, ...] | None]] = [("job", spec.units)]
     if spec.units is not None:
         grains.append(("blocks", None))
@@ -242,14 +279,57 @@ def layouts(model: torch.nn.Module, spec: Spec, world: int) -> list[Layout]:
             seen.add(found)
             distinct.append((name, units))
             fitted[name] = fitting_recompute(spec.recompute, found)
-    meshes = _mesh_splits(spec.mesh, world)
-    # Note [the job's own choices]: the job's own strategies, on its units and mesh, are a candidate too
-    own = [Layout("job", spec.units, None, meshes[0], recompute=fitted["job"][0], left_out=fitted["job"][1])
-           ] if spec.strategies is not None else []
-    # DDP shards nothing: every split of its mesh is the same step, so only the job's mesh is tried.
-    return own + [Layout(name, units, strategy, mesh, recompute=fitted[name][0], left_out=fitted[name][1])
-                  for name, units in distinct for strategy in STRATEGIES
-                  for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes)]
+    out = []
+    for tensor, meshes, options in _tensor_choices(spec, world, node_size):
+        # Note [the job's own choices]: the job's own strategies, on its units and mesh, are a candidate too
+        if spec.strategies is not None:
+            out += [Layout("job", spec.units, None, meshes[0], recompute=fitted["job"][0], left_out=fitted["job"][1],
+                           tensor=tensor, sequence_parallel=sp, loss_parallel=lp) for sp, lp in options]
+        # DDP shards nothing: every split of its mesh is the same step, so only the job's mesh is tried.
+        out += [Layout(name, units, strategy, mesh, recompute=fitted[name][0], left_out=fitted[name][1],
+                       tensor=tensor, sequence_parallel=sp, loss_parallel=lp)
+                for name, units in distinct for strategy in STRATEGIES
+                for mesh in (meshes[:1] if strategy is Strategy.DDP else meshes) for sp, lp in options]
+    return out
+
+
+def _tensor_choices(spec: Spec, world: int, node_size: int) -> list[tuple[int, list[Mesh], list[tuple[bool, bool]]]]:
+    """``(tp degree, the meshes at it, its (sequence_parallel, loss_parallel) pairs)``, the job's own degree
+    first (Note [tensor degrees])."""
+    names = spec.mesh.axis_names
+    tensor_axes = [a for a in names if is_tensor_axis(a)]
+    if not tensor_axes:
+        return [(1, _mesh_splits(spec.mesh, world), [(False, False)])]
+    axis = tensor_axes[0]
+    own_degree = dict(spec.mesh.axes)[axis]
+    try:
+        own = spec.mesh.bind(world)  # the job's own mesh, tried first where it fits the world
+    except SpecError:  # written for another world (llama_70b_tp.toml: fsdp = 32 at 256 ranks)
+        own = None
+    data_axes = [(a, size) for a, size in spec.mesh.axes if a != axis]
+    data = Mesh(**{a: -1 if i == len(data_axes) - 1 else size for i, (a, size) in enumerate(data_axes)})
+    degrees = list(dict.fromkeys([own_degree] * (own_degree > 0 and world % own_degree == 0) + [
+        t for t in range(1, node_size + 1) if node_size % t == 0 and world % t == 0]))
+    o = spec.options
+    choices = []
+    for t in degrees:
+        if t == 1:
+            choices.append((1, _mesh_splits(data, world), [(False, False)]))
+            continue
+        meshes = [Mesh(**dict(m.axes), **{axis: t}) for m in _mesh_splits(data, world // t)]
+        if t == own_degree and own is not None:
+            meshes = [own] + [m for m in meshes if m != own]
+        choices.append((t, meshes, [(o.sequence_parallel, o.loss_parallel)]))
+    return choices
+
+
+def tensor_variants(layout: Layout) -> list[Layout]:
+    """``layout`` with sequence and loss parallelism set the other three ways (Note [tensor degrees])."""
+    if layout.tensor == 1:
+        return []
+    own = (layout.sequence_parallel, layout.loss_parallel)
+    return [attrs.evolve(layout, sequence_parallel=sp, loss_parallel=lp)
+            for sp in (True, False) for lp in (True, False) if (sp, lp) != own]
 
 
 def fitting_recompute(rules: tuple[RecomputeRule, ...] | None,
@@ -322,6 +402,13 @@ class Job:
     world: int
     budget: int | None
     cost_model: CostModel
+    batch_for: Callable[[int], object] | None = None  # the per-rank batch of the global one cut in N parts
+
+    def batch_of(self, layout: Layout):
+        """The per-rank batch ``layout`` compiles for: a tp group's ranks share one (Note [tensor degrees])."""
+        if layout.tensor == 1 or self.batch_for is None:
+            return self.example_batch
+        return self.batch_for(self.world // layout.tensor)
 
 
 @attrs.frozen
@@ -335,56 +422,85 @@ class Outcome:
     skipped: str | None = None
     bounded: Bounded | None = None  # its first configuration showed its floor (Note [step floor]) out of the lead
     floor_s: float | None = None  # its floor with its own re-gathers, once a configuration compiled
+    tensor_s: float = 0.0  # its forward's tp collectives' time on the link (Note [tensor degrees])
     regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
     kept_under: dict = attrs.field(factory=dict, eq=False)  # the budget search's rows (Note [warm start])
 
 
 def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimizer, example_batch, world: int,
          budget: int | None, cost_model: CostModel, say: Callable[[str], None] = lambda _line: None,
-         keep: int = 1, workers: int = 1) -> TuneResult:
+         keep: int = 1, workers: int = 1, batch_for: Callable[[int], object] | None = None,
+         node_size: int = 8) -> TuneResult:
     """Search the layouts of ``spec``'s model at ``world`` ranks under ``budget`` (Note [the tune search]).
 
-    ``example_batch`` is the per-rank batch; ``say`` reports progress, one line per layout. ``keep``:
-    how many of the fastest layouts must be exact (Note [step floor]): ``tune --measure K`` runs K.
-    ``workers``: layouts compiled at once, each in a process of its own (Note [layouts in parallel]).
+    ``example_batch`` is the per-rank batch of ``world`` data-parallel ranks; ``say`` reports progress,
+    one line per layout. ``keep``: how many of the fastest layouts must be exact (Note [step floor]):
+    ``tune --measure K`` runs K. ``workers``: layouts compiled at once, each in a process of its own
+    (Note [layouts in parallel]). On a mesh with a tensor axis the tp degree is searched too, up to
+    ``node_size`` (Note [tensor degrees]), and ``batch_for(N)`` gives the per-rank batch of the global
+    batch cut in N parts (the ranks of a tp group share theirs).
     """
-    refuse_tensor_axis(spec.mesh.axis_names, "tune")
     started = time.perf_counter()
-    job = Job(build_model, loss_fn, spec, optimizer, example_batch, world, budget, cost_model)
+    if batch_for is None and any(is_tensor_axis(a) for a in spec.mesh.axis_names):
+        raise SpecError("tune on a mesh with a tensor axis needs batch_for, the per-rank batch of the global "
+                        "batch cut in N parts: each tp degree t compiles for world / t data-parallel ranks")
+    job = Job(build_model, loss_fn, spec, optimizer, example_batch, world, budget, cost_model, batch_for)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_per_param = _state_per_param(optimizer)
     regathered: dict[tuple, frozenset[str]] = {}  # Note [step floor]: learnt per units, strategy and grouping
     kept_under: dict[str, dict] = {}  # Note [warm start]: the budget search's rows, learnt per unit granularity
+    tensor_s: dict[tuple, float] = {}  # Note [tensor degrees]: the forward's tp collectives, per degree and options
     flats_of: dict[Layout, tuple[FlatSummary, ...]] = {}  # each queued layout's, from its spec
+    param_bytes = functools.lru_cache(functools.partial(_param_bytes, model, spec))  # by tp degree
 
     def floor_of(layout: Layout) -> float:
         known = regathered.get(_learnt_key(layout), frozenset())
-        return communication_floor(flats_of[layout], dict(layout.mesh.axes), world, cost_model, known)
+        return (communication_floor(flats_of[layout], layout.data_axes, world // layout.tensor, cost_model, known)
+                + tensor_s.get(_tensor_key(layout), 0.0))
 
-    queue, fitting, unfit, bounded, compiles = [], [], [], [], 0
+    queue, fitting, unfit, bounded, skipped, compiles = [], [], [], [], [], 0
+    refused: dict[int, str] = {}  # tp degrees whose spec this model's dims do not take, and why
     grouped: set[Layout] = set()  # the layouts whose blocks were grouped (Note [grouped blocks])
+    varied: set[Layout] = set()  # the layouts whose sequence and loss parallelism were varied (Note [tensor degrees])
 
     def enqueue(layout: Layout, index: int, gathered: tuple[int, ...], resolved=None) -> None:
         """Queue ``layout`` by its step floor, or prune it when what it must hold is over the budget."""
-        bound = held_lower_bound(layout, param_bytes, state_per_param, world, gathered)
+        bound = held_lower_bound(layout, param_bytes(layout.tensor), state_per_param, world // layout.tensor,
+                                 gathered)
         if budget is not None and bound > budget:
             unfit.append(Unfit(layout, bound, compiled=False))
             say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
             return
-        resolved = resolved or _spec_of(spec, layout, None).resolve(model, world)  # the floor's flats, the units
-        flats_of[layout] = _summaries(resolved)
+        if layout.tensor in refused:
+            skipped.append((layout, refused[layout.tensor]))
+            return
+        try:
+            resolved = resolved or _spec_of(spec, layout, None).resolve(model, world)  # the floor's flats, units
+            flats_of[layout] = _summaries(resolved)
+        except (SpecError, CompileError) as exc:  # a tp degree this model's dims do not take (Note [tensor degrees])
+            if layout.tensor == 1:
+                raise
+            refused[layout.tensor] = str(exc)
+            skipped.append((layout, str(exc)))
+            say(f"skipped  every layout at tp={layout.tensor}: {exc}")
+            return
         heapq.heappush(queue, (floor_of(layout), bound, index, layout, resolved.units))
 
-    searched = layouts(model, spec, world)
+    searched = layouts(model, spec, world, node_size)
     for i, layout in enumerate(searched):
         enqueue(layout, i, _gathered_units(model, spec, layout))
     order = itertools.count(len(searched))  # ties in the queue go to the earlier layout, never to a comparison
 
     def group_leading() -> None:
-        """Queue the groupings of the leading ``keep`` layouts not grouped yet (Note [grouped blocks])."""
+        """Queue the groupings of the leading ``keep`` layouts not grouped yet (Note [grouped blocks]), and
+        their sequence and loss parallelism set the other ways (Note [tensor degrees])."""
         for e in sorted(fitting, key=lambda e: (e.step_time_s, e.peak))[:keep]:
+            if e.layout not in varied:
+                varied.add(e.layout)
+                for variant in tensor_variants(e.layout):
+                    varied.add(variant)  # a variant that leads is not varied again
+                    enqueue(variant, next(order), _gathered_units(model, spec, variant))
             if e.layout.group == 1 and e.layout not in grouped:
                 grouped.add(e.layout)
                 for variant in grouped_layouts(e.layout, flats_of[e.layout]):
@@ -420,7 +536,10 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             regathered[_learnt_key(outcome.layout)] = outcome.regathered
         if outcome.kept_under:
             kept_under.setdefault(outcome.layout.granularity, {}).update(outcome.kept_under)
+        if outcome.tensor_s:
+            tensor_s[_tensor_key(outcome.layout)] = outcome.tensor_s
         if outcome.skipped is not None:
+            skipped.append((outcome.layout, outcome.skipped))
             say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
         elif outcome.bounded is not None:
             bounded.append(outcome.bounded)
@@ -472,7 +591,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
     compiles += sum(f.result().compiles for f in sent.values() if not f.cancelled())
     fitting.sort(key=lambda e: (e.step_time_s, e.peak))
     return TuneResult(world, budget, tuple(fitting), tuple(unfit), time.perf_counter() - started, compiles,
-                      tuple(bounded))
+                      tuple(bounded), tuple(skipped))
 
 
 def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 0,
@@ -493,9 +612,10 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
     def learn(step) -> None:
         if "floor" not in first:  # the re-gathers are the layout's, whatever its recompute and prefetch
             first["regathered"] = _regathered(step.schedule)
-            first["floor"] = communication_floor(tuple(flat_summary(f) for f in step.flats),
-                                                 dict(layout.mesh.axes), job.world, job.cost_model,
-                                                 first["regathered"])
+            first["tensor"] = _forward_tensor_time(step.schedule, job.cost_model)
+            first["floor"] = communication_floor(tuple(flat_summary(f) for f in step.flats), layout.data_axes,
+                                                 job.world // layout.tensor, job.cost_model,
+                                                 first["regathered"]) + first["tensor"]
 
     def give_up(step) -> str | None:  # called before each compile after the first
         learn(step)
@@ -504,16 +624,23 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
 
     try:
         compiled = api.plan(job.build_model, job.loss_fn, unpooled, optimizer=job.optimizer,
-                            example_batch=job.example_batch, world_size=job.world, cost_model=job.cost_model,
+                            example_batch=job.batch_of(layout), world_size=job.world, cost_model=job.cost_model,
                             budget_hints=BudgetHints(kept_under or {}, give_up))
     except SearchAbandoned:
         return Outcome(layout, first["checks"], bounded=Bounded(layout, first["floor"], compiled=True),
-                       regathered=first["regathered"], floor_s=first["floor"])
+                       regathered=first["regathered"], floor_s=first["floor"], tensor_s=first["tensor"])
     except BudgetError as exc:
         return Outcome(layout, first["checks"] + 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True),
-                       regathered=first.get("regathered", frozenset()), floor_s=first.get("floor"))
+                       regathered=first.get("regathered", frozenset()), floor_s=first.get("floor"),
+                       tensor_s=first.get("tensor", 0.0))
     except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
         return Outcome(layout, 0, skipped=str(exc))
+    except CompileError as exc:
+        if layout.tensor == 1:
+            raise
+        # Note [tensor degrees]: what propagation refuses at this degree (heads tp does not divide, a
+        # sequence sequence parallelism cannot split, logits that reach the loss whole) leaves it out
+        return Outcome(layout, 0, skipped=str(exc).splitlines()[0])
     choice = getattr(compiled, "budget", None)
     learn(compiled)
     if choice is not None:  # the budget search planned the chosen step already
@@ -525,7 +652,7 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                           choice.chosen.describe() if choice is not None else _as_the_job(layout, job.spec),
                           compiled.schedule.largest_collective)
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
-                   regathered=first["regathered"], floor_s=first["floor"],
+                   regathered=first["regathered"], floor_s=first["floor"], tensor_s=first["tensor"],
                    kept_under=choice.kept_under if choice is not None else {})
 
 
@@ -620,9 +747,27 @@ def _regathered(schedule) -> frozenset[str]:
 
 
 def _learnt_key(layout: Layout) -> tuple:
-    """What the re-gathers of a compiled layout tell about others: the same units, strategy and grouping (a
-    mesh split does not change them)."""
-    return layout.granularity, layout.strategy, layout.group
+    """What the re-gathers of a compiled layout tell about others: the same units, strategy, grouping and tp
+    degree (a mesh split does not change them)."""
+    return layout.granularity, layout.strategy, layout.group, layout.tensor
+
+
+def _tensor_key(layout: Layout) -> tuple:
+    """What a layout's forward tp collectives depend on (Note [tensor degrees]): the degree, the per-rank
+    batch it gives, and the options that change them; not the units, strategies or data mesh."""
+    return layout.tensor, layout.sequence_parallel, layout.loss_parallel
+
+
+def _forward_tensor_time(schedule, cost_model: CostModel) -> float:
+    """Seconds the link is busy with the forward's tp collectives (Note [tensor degrees]).
+
+    Every schedule of the same degree and options runs them: recompute copies collectives into backward,
+    never out of the forward, so they are a floor of every such layout's tp collectives.
+    """
+    return sum(cost_model.collective_time(op.kind.value, op.group_size, op.bytes, group_axes(schedule, op.group))
+               for op in schedule.ops
+               if op.kind in COLLECTIVE_KINDS and op.flat is None and op.group is not None
+               and is_tensor_axis(op.group) and op.phase is Phase.FORWARD)
 
 
 def _bucket_bytes(flat: FlatSummary) -> int:
@@ -642,8 +787,19 @@ def _gathered_units(model: torch.nn.Module, spec: Spec, layout: Layout) -> tuple
     sizes: dict[str, int] = {}
     for name, p in model.named_parameters():
         size = precision.param_dtype.itemsize if precision is not None and p.is_floating_point() else p.element_size()
-        sizes[unit_of(name, units)] = sizes.get(unit_of(name, units), 0) + p.numel() * size
+        sizes[unit_of(name, units)] = sizes.get(unit_of(name, units), 0) + _tp_local(spec, layout.tensor, name, p) * size
     return tuple(sizes.values())
+
+
+def _tp_local(spec: Spec, tensor: int, name: str, p: torch.Tensor) -> int:
+    """The elements of parameter ``name`` a rank holds at tp degree ``tensor`` (all of them at degree 1)."""
+    return p.numel() // tensor if tensor > 1 and _tensor_split(spec, name) else p.numel()
+
+
+def _param_bytes(model: torch.nn.Module, spec: Spec, tensor: int) -> int:
+    """The trainable parameter bytes a rank holds at tp degree ``tensor``, before the data axes shard them."""
+    return sum(_tp_local(spec, tensor, n, p) * p.element_size() for n, p in model.named_parameters()
+               if p.requires_grad)
 
 
 def _mesh_splits(mesh: Mesh, world: int) -> list[Mesh]:
@@ -670,9 +826,24 @@ def _spec_of(spec: Spec, layout: Layout, budget: int | None) -> Spec:
     options = spec.options if budget is None else attrs.evolve(spec.options, memory_budget=budget)
     if layout.group > 1:
         options = attrs.evolve(options, bucket_bytes=layout.bucket_bytes)
+    options = attrs.evolve(options, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
     strategies = spec.strategies if layout.strategy is None else [("*", layout.strategy.value)]
-    return attrs.evolve(spec, mesh=layout.mesh, units=layout.units, strategies=strategies,
+    rules = spec.rules if layout.tensor > 1 else _data_rules(spec)
+    return attrs.evolve(spec, mesh=layout.mesh, rules=rules, units=layout.units, strategies=strategies,
                         options=options, recompute=layout.recompute if budget is None else None)
+
+
+def _data_rules(spec: Spec) -> tuple[Rule, ...]:
+    """``spec``'s rules without their tensor-axis layouts (Note [tensor degrees]: degree 1)."""
+    names = spec.mesh.axis_names
+    return tuple(Rule(rule.pattern, split_layout(rule.layout, names, f"rules[{i}]")[0])
+                 for i, rule in enumerate(spec.rules))
+
+
+def _tensor_split(spec: Spec, name: str) -> bool:
+    """Whether ``spec``'s rule for parameter ``name`` splits it over a tensor axis."""
+    i = first_match(spec.rules, name)
+    return i is not None and bool(split_layout(spec.rules[i].layout, spec.mesh.axis_names, f"rules[{i}]")[1])
 
 
 def _as_the_job(layout: Layout, spec: Spec) -> str:
