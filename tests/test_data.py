@@ -28,7 +28,7 @@ from shardlang.cli.common import rank_batch, split_for_rank
 from shardlang.cli.job import load_job
 from shardlang.data import preparation as preparing
 from shardlang.data import read_index
-from shardlang.errors import DataError
+from shardlang.errors import DataError, ShardlangRuntimeError
 
 TOKENS_JOB = str(Path(__file__).resolve().parent / "jobs" / "tokens.py")
 WORDS = "the a sharded model trains on every rank while gathers and reduce scatters move its bytes".split()
@@ -173,6 +173,15 @@ def test_ranks_that_differ_only_in_tp_read_the_same_rows(data, monkeypatch):
         assert all(torch.equal(r, s) for r, s in zip(read, split)), mesh
         parts = {mesh.batch_split(4, rank) for rank in range(4)}
         assert len(parts) == 2 and all(r.shape[0] == 4 for r in read), mesh  # two row groups of 4, tp peers share
+
+
+def test_a_global_batch_the_data_parts_do_not_divide_is_named(data, monkeypatch):
+    """At 6 ranks as fsdp=3 x tp=2 the 8 rows are cut in 3 parts, not 6: the error counts data-parallel parts."""
+    monkeypatch.setenv("SHARDLANG_TEST_DATA", str(data))
+    job = attrs.evolve(load_job(TOKENS_JOB), spec=sl.Spec(mesh=sl.Mesh(fsdp=-1, tp=2)))
+    with pytest.raises(ShardlangRuntimeError, match=r"global batch size 8 does not divide into 3 data-parallel parts "
+                                                    r"\(mesh .*tp.*\); use a multiple of 3, e\.g\. 6"):
+        rank_batch(job, 0, 6, 0)
 
 
 def test_every_epoch_visits_every_sequence_once_in_an_order_of_the_seed(data):

@@ -75,6 +75,14 @@ def _rules_or_default(value: object) -> tuple[Rule, ...] | None:
     return None if value is None else to_rules(value)
 
 
+def _check_tensor_divides(name: str, shape: tuple[int, ...], dim: int, axis: str, ranks: int, rule: int) -> None:
+    """A tensor axis splits a dim evenly or not at all: an uneven split would mis-shape every op it reaches."""
+    if shape[dim] % ranks:
+        raise SpecError(f"rules[{rule}]: parameter {name!r} on axis {axis!r}: dim {dim} has size {shape[dim]}, which "
+                        f"{ranks} ranks do not divide; give {axis} a degree that divides {shape[dim]}, or replicate "
+                        f"{name!r} over {axis}")
+
+
 @attrs.frozen
 class Spec:
     """A sharding spec: mesh, rules (first match wins), units and options.
@@ -243,11 +251,13 @@ class Spec:
                 try:
                     data, on_tensor = split_layout(self.rules[i].layout, whole.names, f"rules[{i}]")  # type: ignore
                     placement = data.to_placement(tuple(p.shape), name)
-                    for axis, layout in on_tensor.items():
-                        tensor[name] = TensorShard(layout.to_placement(tuple(p.shape), name).dim)
+                    splits = {axis: layout.to_placement(tuple(p.shape), name).dim for axis, layout in on_tensor.items()}
                 except SpecError as e:
                     failures.append((i, name, e))
                     continue
+                for axis, dim in splits.items():
+                    _check_tensor_divides(name, tuple(p.shape), dim, axis, dict(whole.axes)[axis], i)
+                    tensor[name] = TensorShard(dim)
                 unit = unit_of(name, units)
                 info = ParamInfo(
                     name=name, shape=p.shape, dtype=p.dtype, trainable=p.requires_grad, unit=unit, placement=placement,

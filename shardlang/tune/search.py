@@ -406,8 +406,11 @@ class Job:
 
     def batch_of(self, layout: Layout):
         """The per-rank batch ``layout`` compiles for: a tp group's ranks share one (Note [tensor degrees])."""
-        if layout.tensor == 1 or self.batch_for is None:
+        if layout.tensor == 1:
             return self.example_batch
+        if self.batch_for is None:
+            raise ValueError(f"a layout at tp degree {layout.tensor} needs the job's batch_for: the per-rank batch "
+                             f"of {self.world} data-parallel ranks is not the one of {self.world // layout.tensor}")
         return self.batch_for(self.world // layout.tensor)
 
 
@@ -843,7 +846,13 @@ def _data_rules(spec: Spec) -> tuple[Rule, ...]:
 def _tensor_split(spec: Spec, name: str) -> bool:
     """Whether ``spec``'s rule for parameter ``name`` splits it over a tensor axis."""
     i = first_match(spec.rules, name)
-    return i is not None and bool(split_layout(spec.rules[i].layout, spec.mesh.axis_names, f"rules[{i}]")[1])
+    return i is not None and _rules_split_tensor(tuple(spec.rules), spec.mesh.axis_names)[i]
+
+
+@functools.cache
+def _rules_split_tensor(rules: tuple[Rule, ...], axis_names: tuple[str, ...]) -> tuple[bool, ...]:
+    """Per rule, whether its layout splits over a tensor axis: asked per parameter per layout, split once."""
+    return tuple(bool(split_layout(rule.layout, axis_names, f"rules[{i}]")[1]) for i, rule in enumerate(rules))
 
 
 def _as_the_job(layout: Layout, spec: Spec) -> str:
