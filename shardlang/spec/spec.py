@@ -26,9 +26,9 @@ from pathlib import Path
 import attrs
 from torch import nn
 
-from shardlang.errors import SpecError
+from shardlang.errors import CompileError, SpecError
 from ..compiler import MeshShape, ParamInfo, TensorAxis
-from ..compiler.placement.placements import Shard as TensorShard
+from ..compiler.placement.placements import Shard as TensorShard, local_shape
 from shardlang.spec.vocabulary import Recompute, Strategy
 from shardlang.spec.layout import Shard, shard
 from shardlang.spec.mesh import Mesh, check_world_size
@@ -76,11 +76,13 @@ def _rules_or_default(value: object) -> tuple[Rule, ...] | None:
 
 
 def _check_tensor_divides(name: str, shape: tuple[int, ...], dim: int, axis: str, ranks: int, rule: int) -> None:
-    """A tensor axis splits a dim evenly or not at all: an uneven split would mis-shape every op it reaches."""
-    if shape[dim] % ranks:
-        raise SpecError(f"rules[{rule}]: parameter {name!r} on axis {axis!r}: dim {dim} has size {shape[dim]}, which "
-                        f"{ranks} ranks do not divide; give {axis} a degree that divides {shape[dim]}, or replicate "
-                        f"{name!r} over {axis}")
+    """A tensor axis splits a dim evenly or not at all (`local_shape`'s check): an uneven split would mis-shape
+    every op it reaches."""
+    try:
+        local_shape(shape, TensorShard(dim), ranks, f"parameter {name!r} on axis {axis!r}")
+    except CompileError as exc:
+        raise SpecError(f"rules[{rule}]: {exc}; give {axis} a degree that divides {shape[dim]}, or replicate "
+                        f"{name!r} over {axis}") from None
 
 
 @attrs.frozen
@@ -247,6 +249,7 @@ class Spec:
             strategy_of = self._unit_strategies(units)
             recompute = self._unit_recompute(units)
             params, failures, tensor = [], [], {}
+            sizes = dict(whole.axes)
             for (name, p), i in zip(named, winners):
                 try:
                     data, on_tensor = split_layout(self.rules[i].layout, whole.names, f"rules[{i}]")  # type: ignore
@@ -256,7 +259,7 @@ class Spec:
                     failures.append((i, name, e))
                     continue
                 for axis, dim in splits.items():
-                    _check_tensor_divides(name, tuple(p.shape), dim, axis, dict(whole.axes)[axis], i)
+                    _check_tensor_divides(name, tuple(p.shape), dim, axis, sizes[axis], i)
                     tensor[name] = TensorShard(dim)
                 unit = unit_of(name, units)
                 info = ParamInfo(

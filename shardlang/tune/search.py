@@ -846,7 +846,7 @@ def _data_rules(spec: Spec) -> tuple[Rule, ...]:
 def _tensor_split(spec: Spec, name: str) -> bool:
     """Whether ``spec``'s rule for parameter ``name`` splits it over a tensor axis."""
     i = first_match(spec.rules, name)
-    return i is not None and _rules_split_tensor(tuple(spec.rules), spec.mesh.axis_names)[i]
+    return i is not None and _rules_split_tensor(spec.rules, spec.mesh.axis_names)[i]
 
 
 @functools.cache
