@@ -138,3 +138,26 @@ def test_pooled_and_fresh_buffers_train_alike_to_the_bit_in_slots_held_between_s
             assert pooled[2][0], "the ZeRO-2 step keeps a pool"
         assert all(p == pooled[2][0] for p in pooled[2]), "the slots are the same storage at every step"
         assert fresh[2] == [[], [], []]
+
+
+def test_a_tensor_axis_s_shaped_gathers_stay_out_of_the_flat_slots(monkeypatch):
+    # loss parallelism gathers each rank's [rows, 1] logit maxima over tp; a flat slot would make them [rows]
+    from pathlib import Path
+
+    import attrs
+
+    from shardlang.cli.common import batch_part
+    from shardlang.cli.job import build, load_job
+    from shardlang.compiler.ir import collectives
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.setenv("LLAMA_BATCH", "8")
+    job = load_job(examples / "llama.py", examples / "llama_tp.toml")
+    spec = attrs.evolve(job.spec, options=attrs.evolve(job.spec.options, sequence_parallel=True, loss_parallel=True))
+    step = sl.plan(lambda: build(job), job.loss_fn, spec, optimizer=job.optimizer,
+                   example_batch=batch_part(job, 0, 4, 0), world_size=8)
+    nodes = list(step.graph_module.graph.nodes)
+    pooled = [n for n in nodes if n.target is collectives.all_gather_into]
+    shaped = [n for n in nodes if n.target is collectives.all_gather and n.args[0].meta["val"].dim() > 1]
+    assert pooled and shaped  # the step pools its flat gathers, and has gathers of shaped activations
+    assert all(n.args[0].meta["val"].dim() == 1 for n in pooled)

@@ -1,7 +1,8 @@
 """Give each gathered buffer and each gradient pack a slot of the step's pool (Note [buffer assignment]).
 
-Candidates: every ``all_gather`` over more than one rank (its full-size
-result), every flat-sharded member that ``unpack_member`` copies out of it,
+Candidates: every ``all_gather`` of a flat shard over more than one rank (its
+full-size result; a tensor axis's gathers of shaped activations are left out,
+since a slot is flat), every flat-sharded member that ``unpack_member`` copies out of it,
 and every ``pack_gradients`` or ``pack_whole_gradients`` that makes a buffer
 of its own read by a reduce-scatter over more than one rank. A candidate's life runs from its node
 to the last use of any value in its storage (a view, an unpacked member), and,
@@ -135,8 +136,8 @@ def assign_slots(lives: list[Life]) -> dict[fx.Node, int]:
 
 
 def _is_candidate(node: fx.Node) -> bool:
-    if node.target is collectives.all_gather:
-        return collectives.over_ranks(node)
+    if node.target is collectives.all_gather:  # a slot is flat: a shaped gather (tp's of an activation) is not one
+        return collectives.over_ranks(node) and node.args[0].meta["val"].dim() == 1
     if node.target is unpack_member:  # a flat member copied out of its gathered buffer
         return node.args[4] == LayoutKind.SHARD_FLAT.value and _owns_its_buffer(node)
     if kind_of(node) is not NodeKind.PACK or node.target not in _POOLED_PACKS or len(node.users) != 1:
