@@ -36,6 +36,7 @@ from .placement.step import tensor_parallel_step
 from .passes.pipeline import DEFAULT_PASSES, run_passes
 from .schedule.schedule import Schedule, read_schedule
 from .schedule.verify import verify, verify_structure
+from .trace_cache import TraceCache, trace_key
 
 
 @attrs.frozen
@@ -87,7 +88,8 @@ class CompiledStep:
 def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, optimizer, example_batch, *,
                  passes=DEFAULT_PASSES, check_each_pass: bool = False, dump_dir=None,
                  traced: TracedStep | None = None, buffers: Mapping[str, TensorShape] | None = None,
-                 tied: Mapping[str, str] | None = None, buffer_pool: bool = True) -> CompiledStep:
+                 tied: Mapping[str, str] | None = None, buffer_pool: bool = True,
+                 traces: TraceCache | None = None) -> CompiledStep:
     """Trace and compile one training step of ``model`` for ``config`` (`compiler.config.StepConfig`).
 
     ``example_batch`` is a per-rank batch (its shapes are compiled in). With
@@ -100,20 +102,18 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     holds no storage, and ``tied`` for its tied parameters (`trace_step`).
     ``buffer_pool=False`` leaves the step's pool out (`with_buffer_pool` adds
     it later): the budget's search compares schedules without it (Note [pool
-    after the search] in `compiler.analysis.budget`).
+    after the search] in `compiler.analysis.budget`). ``traces`` (a
+    `compiler.trace_cache.TraceCache`) serves, without ``traced``, the trace of
+    an earlier configuration that traces the same step (Note [shared traces]).
     """
     flats = config.flats()
-    optimizer = GroupedOptimizer.build(optimizer, config.training.group_overrides)
+    grouped = GroupedOptimizer.build(optimizer, config.training.group_overrides)
     if traced is None:
-        logical = config.logical_flats() if config.tensor is not None else flats  # Note [tp-local flats]
-        local = None if config.tensor is None else functools.partial(tensor_parallel_step, axis=config.tensor)
-        traced_as = dict(data_parallel_size=config.mesh.size, training=config.training, buffers=buffers, tied=tied)
-        if _is_fake(model):  # Note [replicated trace]: planning; a tensor axis localizes the short traces
-            traced = trace_step_replicated(model, loss_fn, logical, optimizer, example_batch, then=local, **traced_as)
-        else:
-            traced = trace_step(model, loss_fn, logical, optimizer, example_batch, **traced_as)
-            traced = traced if local is None else local(traced)
-        traced = attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
+        def trace() -> TracedStep:
+            return _trace(model, loss_fn, config, flats, grouped, example_batch, buffers, tied)
+
+        traced = trace() if traces is None else traces.traced(
+            trace_key(model, loss_fn, config, optimizer, example_batch, buffers, tied), model, trace)
     ctx = CompileContext(config, flats, traced.inputs)
     check = structural_check if check_each_pass else None
     gm = copy_graph_module(traced.graph_module)
@@ -124,6 +124,19 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     verify(schedule)
     compiled = CompiledStep(gm, ctx, schedule, traced)
     return with_buffer_pool(compiled) if buffer_pool else compiled
+
+
+def _trace(model, loss_fn, config: StepConfig, flats, optimizer, example_batch, buffers, tied) -> TracedStep:
+    """The traced logical step of ``config``, localized to a tensor axis where it has one."""
+    logical = config.logical_flats() if config.tensor is not None else flats  # Note [tp-local flats]
+    local = None if config.tensor is None else functools.partial(tensor_parallel_step, axis=config.tensor)
+    traced_as = dict(data_parallel_size=config.mesh.size, training=config.training, buffers=buffers, tied=tied)
+    if _is_fake(model):  # Note [replicated trace]: planning; a tensor axis localizes the short traces
+        traced = trace_step_replicated(model, loss_fn, logical, optimizer, example_batch, then=local, **traced_as)
+    else:
+        traced = trace_step(model, loss_fn, logical, optimizer, example_batch, **traced_as)
+        traced = traced if local is None else local(traced)
+    return attrs.evolve(traced, graph_module=copy_graph_module(traced.graph_module))  # kept as traced
 
 
 def with_buffer_pool(compiled: CompiledStep, backend: str = "gloo") -> CompiledStep:

@@ -93,7 +93,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, spec: Spec, *, optimizer=
 
 def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: Callable, spec: Spec, *,
          optimizer=None, example_batch, world_size: int, check_each_pass: bool = False,
-         evaluate: bool = False, cost_model=None, budget_hints=None) -> CompiledStep:
+         evaluate: bool = False, cost_model=None, budget_hints=None, traces=None) -> CompiledStep:
     """Compile for ``world_size`` ranks with fake tensors: no processes, no real weights.
 
     ``build_model`` is called under a `FakeTensorMode`, so even a model too big
@@ -103,7 +103,9 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
     eval mode), on the same flat parameters. ``cost_model`` (a
     `compiler.CostModel`; default: gloo on this CPU) is what a memory budget's
     search predicts step times with; ``budget_hints`` (`compiler.analysis.budget.BudgetHints`)
-    what a search over many layouts tells that search (`shardlang tune`).
+    what a search over many layouts tells that search (`shardlang tune`); ``traces`` (a
+    `compiler.trace_cache.TraceCache`) the traces that search's layouts of one model share
+    (Note [shared traces]).
 
     Example::
 
@@ -123,7 +125,7 @@ def plan(build_model: Callable[[], torch.nn.Module] | torch.nn.Module, loss_fn: 
     if evaluate:
         return _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, cost_model)
     return _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, None, cost_model,
-                    budget_hints)
+                    budget_hints, traces)
 
 
 def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
@@ -142,14 +144,14 @@ def _compile_eval(model, loss_fn, spec, optimizer, example_batch, world_size, ch
 
 
 def _compile(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass, dump_dir,
-             cost_model=None, budget_hints=None) -> CompiledStep:
+             cost_model=None, budget_hints=None, traces=None) -> CompiledStep:
     return _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                                dump_dir, cost_model, budget_hints)[0]
+                                dump_dir, cost_model, budget_hints, traces)[0]
 
 
 @collection_paused  # the budget's search too: Note [no collection while compiling]
 def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_size, check_each_pass,
-                         dump_dir, cost_model=None, budget_hints=None) -> tuple[CompiledStep, Recipe]:
+                         dump_dir, cost_model=None, budget_hints=None, traces=None) -> tuple[CompiledStep, Recipe]:
     """The compiled step for ``example_batch``, and the `Recipe` that compiles other batch shapes identically."""
     if not isinstance(spec, Spec):
         raise SpecError(f"spec must be a shardlang.Spec, got {type(spec).__name__}: {spec!r}")
@@ -162,7 +164,8 @@ def _compile_with_recipe(model, loss_fn, spec, optimizer, example_batch, world_s
     def at(config, traced=None, *, batch=example_batch, buffers=None, tied=None, dump_dir=dump_dir,
            buffer_pool=True) -> CompiledStep:
         step = compile_step(model, loss_fn, config, optimizer, batch, check_each_pass=check_each_pass,
-                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied, buffer_pool=False)
+                            dump_dir=dump_dir, traced=traced, buffers=buffers, tied=tied, buffer_pool=False,
+                            traces=traces)
         # the pool keeps the peak of the plan for the cost model's link (Note [pool after the search])
         return with_buffer_pool(step, backend) if buffer_pool else step
 
