@@ -94,3 +94,41 @@ def test_the_command_tunes_the_tp_degree_and_writes_a_spec_plan_takes(monkeypatc
     text = capsys.readouterr().out
     assert "mesh fsdp=1 x tp=2" in text and "mesh fsdp=2," in text  # both degrees were planned
     assert main(["plan", LLAMA, "--spec", str(out), "--world", "2"]) == 0
+
+
+_FORKED_AFTER_OPENMP = '''
+import os, sys
+import torch
+from shardlang.cli.common import batch_part
+from shardlang.cli.job import build, load_job
+from shardlang.compiler import CostModel
+from shardlang.tune import tune
+
+os.environ["LLAMA_BATCH"] = "4"
+job = load_job(sys.argv[1], sys.argv[2])
+torch.ones(1 << 22).add_(1)  # the parent's OpenMP threads have run, as cutting a large global batch does
+
+
+def batch_for(parts):
+    torch.ones(1 << 22).add_(1)  # a parallel region in the forked worker that asks for its batch
+    return batch_part(job, 0, parts, 0)
+
+
+result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, batch_part(job, 0, 2, 0), 2, None,
+              CostModel(), workers=2, node_size=2, batch_for=batch_for)
+print("chose", result.best.one_line())
+'''
+
+
+def test_forked_workers_compile_after_the_parents_openmp_threads_ran(tmp_path):
+    """libgomp is not fork-safe: a forked worker whose first parallel region comes after the parent's OpenMP
+    threads ran waited forever (the 70B search with a tensor axis never returned). A hang here is a timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED_AFTER_OPENMP)
+    done = subprocess.run([sys.executable, str(script), LLAMA, LLAMA_TP], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chose " in done.stdout

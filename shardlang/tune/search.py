@@ -706,6 +706,10 @@ _WORKER_CUTOFF = _Cutoff()  # shared with the search, which lowers it
 
 def _adopt(job: Job, cutoff) -> None:
     global _WORKER_JOB, _WORKER_CUTOFF
+    # libgomp is not fork-safe: a child of a parent whose OpenMP threads ran (cutting the global batch into
+    # per-rank ones does) hangs in its first parallel region; one thread runs none, and a compile is one
+    # core's work anyway
+    torch.set_num_threads(1)
     _WORKER_JOB, _WORKER_CUTOFF = job, cutoff
 
 
