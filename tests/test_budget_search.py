@@ -257,3 +257,66 @@ def test_the_rows_a_search_learns_are_the_same_for_another_mesh_split():
         budget = (planned().memory.peak + planned(recompute=[("layers.*", "full")]).memory.peak) // 2
         rows.append(planned(options=sl.Options(memory_budget=budget)).budget.kept_under)
     assert rows[0] and rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("model", [CostModel(), COMPUTE_BOUND], ids=["default", "compute-bound"])
+def test_the_search_floor_is_below_every_configuration_that_fits(model):
+    """Note [search floor]: from the first configuration alone, a bound on what the search chooses and on every
+    configuration at that depth that fits: its compute, and under a budget it misses, the least recompute."""
+    from shardlang.compiler.analysis.budget import search_floor
+
+    world = 2
+    none = plan(world)
+    memory, timeline = none.memory, model.predict(none.schedule, none.graph_module)
+    units = [f"layers.{i}" for i in range(LAYERS)]
+    compute = search_floor(none, memory, timeline, units, memory.peak, model)  # it fits: its compute alone
+    assert 0 < compute <= timeline.step_time_s
+    configurations = [plan(world, recompute=[(u, policy) for u in units[:k]])
+                      for policy in ("selective", "full") for k in range(1, LAYERS + 1)]
+    full = plan(world, recompute=[("layers.*", "full")]).memory.peak
+    for fraction in (0.3, 0.6, 0.9):
+        budget = int(full + fraction * (memory.peak - full))
+        floor = search_floor(none, memory, timeline, units, budget, model)
+        assert floor > compute  # the recompute it needs to fit is counted
+        fitting = [model.predict(s.schedule, s.graph_module).step_time_s for s in configurations
+                   if s.memory.peak <= budget]
+        assert fitting and floor <= min(fitting)
+        chosen = plan(world, budget=budget, cost_model=model)
+        assert floor <= model.predict(chosen.schedule, chosen.graph_module).step_time_s
+
+
+def test_a_search_told_when_to_give_up_skips_the_recompute_that_cannot_fit():
+    """Note [no recompute fits]: under a budget below the first peak less every unit's kept bytes, a search for
+    `shardlang tune` (``give_up`` given) compiles no recompute, yet fails as the user's own search does."""
+    from shardlang.compiler.analysis.budget import BudgetHints
+
+    world = 2
+    none = plan(world)
+    budget = none.memory.peak - sum(u.kept for u in none.memory.units) - 1
+    llama = models.load_llama_module()
+    config = dataclasses.replace(llama.LlamaConfig(), n_layers=LAYERS)
+    spec = sl.Spec(sl.Mesh(fsdp=world), units=["layers.*"], options=sl.Options(memory_budget=budget))
+    compiled = []
+
+    def search(hints):
+        real = api.compile_step
+
+        def counted(*args, **kwargs):
+            compiled.append(args[2].scheduling)
+            return real(*args, **kwargs)
+
+        api.compile_step = counted
+        try:
+            with pytest.raises(BudgetError) as failed:
+                sl.plan(lambda: llama.Llama(config), llama.loss_fn, spec, world_size=world, budget_hints=hints,
+                        example_batch=split_batch(models.llama_batch(0), world, 0))
+        finally:
+            api.compile_step = real
+        return failed.value, [s.recompute for s in compiled]
+
+    users, users_compiles = search(None)
+    compiled.clear()
+    tunes, tunes_compiles = search(BudgetHints({}, lambda step, floor_s: None))
+    assert any(users_compiles) and not any(tunes_compiles)  # the user's own search tried recompute; tune's not
+    assert len(tunes_compiles) == 2  # none at its depth, then none without prefetch
+    assert users.leanest_peak <= tunes.leanest_peak

@@ -341,3 +341,49 @@ def test_the_command_tunes_a_hugging_face_job_that_already_recomputes(tmp_path, 
     assert "units [the whole model]" in text and "error" not in text
     assert sl.Spec.from_toml(out).options.mixed_precision == sl.MixedPrecision(param_dtype=torch.bfloat16,
                                                                                  reduce_dtype=torch.float32)
+
+
+def test_a_layout_whose_compute_and_needed_recompute_take_the_cutoff_is_given_up_after_one_compile():
+    """Note [search floor]: on a link so fast that the collectives take no time, the first configuration bounds
+    the layout by its compute and the recompute it needs to fit the budget. At that bound the layout is given up
+    after one compile, reported with its compute; just over it, it is searched in full. The bound is below the
+    step the search finds."""
+    job = _gpt_job()
+    fast = CostModel(link=LinkModel("fast", alpha_s=0.0, bandwidth=1e18, backend="gloo"))
+    world, budget = 2, int(1.98 * 2**20)  # between full recompute's peak (1.92 MiB) and none's (2.04 MiB)
+    tune_job = Job(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                   budget, fast)
+    layout = next(lay for lay in layouts(build(job), job.spec, world) if lay.strategy is Strategy.ZERO3
+                  and lay.granularity == "job" and len(lay.mesh.axes) == 1)
+    units = _spec_of(job.spec, layout, None).resolve(build(job), world).units
+    searched = compile_layout(tune_job, layout, units)
+    assert searched.evaluated is not None and searched.compiles > 1
+    assert "recompute none" not in searched.evaluated.schedule_choice  # the budget needs recompute
+    bound = compile_layout(tune_job, layout, units, cutoff=lambda: 0.0).bounded
+    assert bound.compiled and bound.by_compute and "its compute, with the recompute it needs" in bound.why()
+    assert 0 < bound.floor_s <= searched.evaluated.step_time_s
+    given_up = compile_layout(tune_job, layout, units, cutoff=lambda: bound.floor_s)
+    assert (given_up.compiles, given_up.bounded) == (1, bound)
+    kept = compile_layout(tune_job, layout, units, cutoff=lambda: bound.floor_s * (1 + 1e-9))
+    assert (kept.evaluated, kept.compiles) == (searched.evaluated, searched.compiles)
+
+
+def test_a_layout_over_the_budget_rules_out_its_splits_with_larger_shards():
+    """Note [larger shards]: a layout found over the budget reports each layout like it over no more fsdp ranks
+    uncompiled; compiled, each is over the budget too, its leanest peak no lower."""
+    job = _gpt_job()
+    world, budget = 4, int(1.2 * 2**20)  # over every layout's leanest peak (1.29 MiB and up)
+    bandwidth_bound = CostModel(link=LinkModel("bandwidth-bound", alpha_s=0.0, bandwidth=1e8, backend="gloo"))
+    lines: list[str] = []
+    result = tune(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                  budget, bandwidth_bound, say=lines.append)
+    ruled_out = [u for u in result.unfit if u.like is not None]
+    assert ruled_out and result.best is None
+    tune_job = Job(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
+                   budget, bandwidth_bound)
+    for unfit in ruled_out:
+        assert not unfit.compiled and attrs.evolve(unfit.layout, mesh=unfit.like.mesh) == unfit.like
+        assert any(f"its shards are no smaller than those of {unfit.like.describe()}" in line for line in lines)
+        units = _spec_of(job.spec, unfit.layout, None).resolve(build(job), world).units
+        compiled = compile_layout(tune_job, unfit.layout, units)
+        assert compiled.unfit is not None and compiled.unfit.least_bytes >= unfit.least_bytes

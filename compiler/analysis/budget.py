@@ -35,11 +35,38 @@ search costs two to four compiles). The bound is the larger of two:
     excess fits, and a step is predicted at least its compute (waits only
     add), which the cost model sums over nodes. The copies of the first k
     units (`recomputed_nodes`, the pass's own selection) cost what their
-    originals do. This bound grows with k, so it holds at the least k that
-    fits.
+    originals do, its kernels, that is: an alias the pass need not copy (a
+    getitem nobody reads) is not counted. This bound grows with k, so it
+    holds at the least k that fits.
 The choice is the same as without the skip (a tie goes to the policy found
 first either way). With the fused cost model (fusion is not a sum over nodes,
 and recompute can change what fuses) nothing is skipped.
+
+Note [no recompute fits]: recomputing a unit lowers the peak by at most the
+bytes it keeps (as above), so when the first configuration's peak less every
+unit's kept bytes is over the budget, no policy on any k fits at that depth,
+and a search for a caller comparing many layouts (``give_up`` given:
+`shardlang tune`) searches neither policy: each would compile k = n to learn
+it, and at 70B a layout over the budget by hundreds of GiB (the whole model
+as one unit) costs four compiles more. It goes on to no prefetch, as when the
+policies' searches find nothing, so its `BudgetError` names the leanest of
+fewer configurations. A plan of the user's own compiles k = n, so that its
+error says how far even recomputing every unit is from the budget.
+
+Note [search floor]: the same compute terms bound from below what the whole
+search can return, once its first configuration is compiled: when that
+configuration fits, every later one keeps its recompute (only prefetch is
+left to choose), so each is predicted at least the first one's compute; when
+it does not, every configuration the search compiles recomputes some policy
+on the first k units, k at least the least one whose kept bytes cover the
+excess (as above), so each is predicted at least the lesser of the two
+policies' compute terms. Where even every unit's kept bytes do not cover the
+excess, no recompute fits at that depth and the search may fall back to no
+prefetch, with any k: the bound is then the compute alone. The compute here is the sum of the ops' node times
+without contention (Note [contention] slows compute only while a collective
+is in flight, and another configuration overlaps differently), so the bound
+holds whatever the overlap. A caller searching many layouts (`shardlang tune`)
+is told it (``give_up``) and stops a layout whose bound cannot lead.
 
 The chosen configuration is the fitting one of least predicted time; the
 runner-up is the next best.
@@ -100,6 +127,7 @@ import attrs
 
 from shardlang.errors import SpecError
 from shardlang.spec.vocabulary import Recompute
+from ..schedule.schedule import OpKind
 from ..schedule.schedule_format import human_bytes
 
 
@@ -127,14 +155,15 @@ class BudgetHints:
     """What a caller that searches many layouts (`shardlang tune`) hands each layout's budget search.
 
     ``kept_under``: a `BudgetChoice.kept_under` of a search over the same units, where
-    this one starts (Note [warm start]). ``give_up(step)``: called with the first
-    configuration compiled, before each further compile; a reason (a string) ends
-    the search with `SearchAbandoned`, when the caller can tell from that step
-    that no configuration of it is of use to it (any longer).
+    this one starts (Note [warm start]). ``give_up(step, floor_s)``: called with the
+    first configuration compiled and a lower bound of the predicted step of any
+    configuration the search can return (Note [search floor]), before each further
+    compile; a reason (a string) ends the search with `SearchAbandoned`, when the
+    caller can tell that no configuration of it is of use to it (any longer).
     """
 
     kept_under: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
-    give_up: Callable[[object], str | None] | None = None
+    give_up: Callable[[object, float], str | None] | None = None
 
 
 @attrs.frozen
@@ -202,7 +231,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
                fixed: dict | None = None, hints: Callable[[object], list[str]] | None = None,
                finish: Callable[[object], object] | None = None,
                kept_under: Mapping[str, Mapping[str, int]] | None = None,
-               give_up: Callable[[object], str | None] | None = None):
+               give_up: Callable[[object, float], str | None] | None = None):
     """The compiled step of the fastest configuration whose planned peak fits ``budget``, and the `BudgetChoice`.
 
     ``compile_at(recompute, prefetch)`` compiles with ``recompute`` (unit ->
@@ -228,8 +257,11 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
         recompute = {**chosen, **fixed}
         key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
         if key not in compiled:
-            if give_up is not None and base and (reason := give_up(base["step"][0])) is not None:
-                raise SearchAbandoned(reason)
+            if give_up is not None and base:
+                if "floor" not in base:
+                    base["floor"] = search_floor(*base["step"], units, budget, cost_model)
+                if (reason := give_up(base["step"][0], base["floor"])) is not None:
+                    raise SearchAbandoned(reason)
             step = compile_at(recompute, depth)
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
             memory, timeline = step.memory_on(backend), cost_model.predict(step.schedule, step.graph_module)
@@ -241,7 +273,7 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
 
     fits = lambda c: c.peak <= budget  # noqa: E731
     found = [evaluate(Recompute.NONE, 0, base_prefetch)]
-    if not fits(found[0]):
+    if not fits(found[0]) and not (give_up is not None and _beyond_recompute(base["step"][1], units, budget)):
         for policy in (Recompute.SELECTIVE, Recompute.FULL):
             fastest = min((c.step_time_s for c in found if fits(c)), default=math.inf)
             if _policy_floor(*base["step"], policy, units, budget, cost_model) >= fastest:
@@ -287,6 +319,39 @@ def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str
     """
     if cost_model.fused:
         return -math.inf  # fused costs are not a sum over nodes: no bound
+    return max(timeline.step_time_s,
+               timeline.compute_s + _recompute_time(step, memory, policy, units, budget, cost_model))
+
+
+def search_floor(step, memory, timeline, units: Sequence[str], budget: int, cost_model) -> float:
+    """Note [search floor]: no configuration the search returns is predicted faster than this.
+
+    ``step`` is the search's first configuration (no recompute on ``units``),
+    with its memory plan and timeline; 0 under the fused cost model (no bound).
+    """
+    if cost_model.fused:
+        return 0.0
+    node_time = cost_model.compute.node_time
+    nodes = {n.name: n for n in step.graph_module.graph.nodes}
+    compute = sum(node_time(nodes[name]) for op in step.schedule.ops if op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER)
+                  for name in op.node_names if name in nodes)
+    if _beyond_recompute(memory, units, budget):
+        return compute  # no recompute fits at this depth: the search may fall back to depth 0 and none
+    if memory.peak <= budget:
+        return compute
+    return compute + min(_recompute_time(step, memory, policy, units, budget, cost_model)
+                         for policy in (Recompute.SELECTIVE, Recompute.FULL))
+
+
+def _beyond_recompute(memory, units: Sequence[str], budget: int) -> bool:
+    """Note [no recompute fits]: whether the peak less every unit's kept bytes is still over the budget."""
+    chosen = set(units)
+    return memory.peak - sum(u.kept for u in memory.units if u.unit in chosen) > budget
+
+
+def _recompute_time(step, memory, policy: Recompute, units: Sequence[str], budget: int, cost_model) -> float:
+    """Seconds of the copies ``policy`` makes on the least k first units whose kept bytes cover the excess."""
+    from ..ir.graph_utils import is_alias_op
     from ..passes.recompute_activations import recomputed_nodes
 
     kept = {u.unit: u.kept for u in memory.units}
@@ -296,8 +361,8 @@ def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str
         k += 1
     copies = recomputed_nodes(step.graph_module, {u: policy for u in units[:k]})
     node_time = cost_model.compute.node_time
-    compute = timeline.compute_s + sum(node_time(n) for nodes in copies.values() for n in nodes)
-    return max(timeline.step_time_s, compute)
+    # an alias (a getitem of an output nobody reads, a detach) need not be copied: only kernels are counted
+    return sum(node_time(n) for nodes in copies.values() for n in nodes if not is_alias_op(n))
 
 
 def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:

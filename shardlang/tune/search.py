@@ -41,6 +41,17 @@ the search lowers as layouts lead, read by every worker), its budget search
 gives up there and the layout is reported as bounded. A communication-bound
 step (70B on 1024 ranks) compiles only the layouts that could win.
 
+Note [larger shards]: two layouts that differ only in their mesh split hold
+the same activations (each rank takes the same rows) and gather the same
+whole units; the one that shards over fewer ranks holds larger shards of
+parameters, gradients and optimizer state, so each of its configurations
+plans a peak at least the other's. Once a layout is found over the budget
+with every configuration its budget search tries, every layout like it whose
+shards are no smaller (``replicate x fsdp`` with no more fsdp ranks) is over
+it too (its budget search takes the same path, each peak no lower), and is
+reported so uncompiled, beside the leanest peak the other's search planned. At 70B with a tensor axis, the whole model as one unit misses 80 GiB by
+more than 100 GiB at every split: one compile per strategy and degree shows it.
+
 Note [grouped blocks]: between a unit per block and the whole model as one
 unit lie blocks gathered a few at a time (FSDP2's ``fully_shard`` on a list of
 layers): fewer, larger collectives, each paying its latency once, against more
@@ -123,6 +134,7 @@ from ..compiler.analysis.formulas import REGATHER_DETAIL, flat_collectives
 from ..compiler.analysis.cost import group_axes
 from ..compiler.ir.trace import Phase
 from ..compiler.schedule.schedule import COLLECTIVE_KINDS, FlatSummary, OpKind, flat_summary
+from ..compiler.trace_cache import TraceCache
 from ..errors import CompileError, SpecError
 from ..spec.mesh import Mesh
 from ..spec.recompute import RecomputeRule
@@ -191,17 +203,32 @@ class Unfit:
     """A layout that cannot fit the budget: pruned by its lower bound, or compiled and found over it."""
 
     layout: Layout
-    least_bytes: int  # the lower bound (pruned) or the leanest planned peak (compiled)
+    least_bytes: int  # the lower bound (pruned) or the leanest planned peak (compiled, or ``like``'s)
     compiled: bool
+    like: Layout | None = None  # Note [larger shards]: the layout over the budget whose shards are no larger
+
+    def why(self) -> str:
+        if self.like is not None:
+            return (f"its shards are no smaller than those of {self.like.describe()}, which does not fit "
+                    f"(leanest {human_bytes(self.least_bytes)})")
+        return f"leanest {human_bytes(self.least_bytes)}" if self.compiled else \
+            f"holds at least {human_bytes(self.least_bytes)}"
 
 
 @attrs.frozen
 class Bounded:
-    """A layout left uncompiled: its collectives alone take longer than the leading layouts' steps (Note [step floor])."""
+    """A layout left uncompiled: its collectives alone take longer than the leading layouts' steps (Note [step floor]),
+    or, once a configuration compiled, its compute with the recompute it needs to fit (Note [search floor])."""
 
     layout: Layout
     floor_s: float
     compiled: bool = False  # given up by its budget search (Note [step floor]), not pruned before compiling
+    by_compute: bool = False  # its floor is Note [search floor]'s compute, not its collectives
+
+    def why(self) -> str:
+        if self.by_compute:
+            return f"its compute, with the recompute it needs to fit, takes at least {_time(self.floor_s)}"
+        return f"its collectives alone take {_time(self.floor_s)}"
 
 
 @attrs.frozen
@@ -425,6 +452,7 @@ class Outcome:
     skipped: str | None = None
     bounded: Bounded | None = None  # its first configuration showed its floor (Note [step floor]) out of the lead
     floor_s: float | None = None  # its floor with its own re-gathers, once a configuration compiled
+    floor_by_compute: bool = False  # ``floor_s`` is Note [search floor]'s compute, above its collectives' floor
     tensor_s: float = 0.0  # its forward's tp collectives' time on the link (Note [tensor degrees])
     regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
     kept_under: dict = attrs.field(factory=dict, eq=False)  # the budget search's rows (Note [warm start])
@@ -510,6 +538,13 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
                     resolved = _spec_of(spec, variant, None).resolve(model, world)
                     enqueue(variant, next(order), _gathered_flats(_summaries(resolved)), resolved)
 
+    too_large: dict[tuple, Unfit] = {}  # Note [larger shards]: per layout less its split, the widest over the budget
+
+    def over_like(layout: Layout) -> Unfit | None:
+        """The layout over the budget that ``layout``'s shards are no smaller than, if any (Note [larger shards])."""
+        known = too_large.get(_split_free(layout))
+        return known if known is not None and _shard_ranks(layout) <= _shard_ranks(known.layout) else None
+
     def next_layout():
         """The queue's most promising layout, or None when the rest cannot enter the leading ``keep``."""
         while queue:
@@ -517,11 +552,15 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             if (refined := floor_of(layout)) > floor:  # learnt re-gathers raise it: back in line
                 heapq.heappush(queue, (refined, bound, i, layout, units))
                 continue
+            if (like := over_like(layout)) is not None:
+                unfit.append(found := Unfit(layout, like.least_bytes, compiled=False, like=like.layout))
+                say(f"no fit   {layout.describe()}: {found.why()}")
+                continue
             if floor < leading_cutoff():
                 return layout, units, bound
             for floor, _, _, layout, _ in sorted([(floor, bound, i, layout, units), *queue]):
                 bounded.append(Bounded(layout, floor))
-                say(f"bounded  {layout.describe()}: its collectives alone take {_time(floor)}")
+                say(f"bounded  {layout.describe()}: {bounded[-1].why()}")
             queue.clear()
         return None
 
@@ -534,7 +573,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             # compiled ahead of its turn, past where its budget search would now give up (Note [step floor]:
             # it asks before each compile after the first)
             outcome = attrs.evolve(outcome, evaluated=None, unfit=None,
-                                   bounded=Bounded(outcome.layout, outcome.floor_s, compiled=True))
+                                   bounded=Bounded(outcome.layout, outcome.floor_s, True, outcome.floor_by_compute))
         if outcome.evaluated is not None or outcome.bounded is not None:
             regathered[_learnt_key(outcome.layout)] = outcome.regathered
         if outcome.kept_under:
@@ -546,12 +585,14 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
             say(f"skipped  {outcome.layout.describe()}: {outcome.skipped}")
         elif outcome.bounded is not None:
             bounded.append(outcome.bounded)
-            say(f"bounded  {outcome.layout.describe()}: its collectives alone take "
-                f"{_time(outcome.bounded.floor_s)} (given up after {outcome.compiles} "
-                f"compile{'s' if outcome.compiles != 1 else ''})")
+            say(f"bounded  {outcome.layout.describe()}: {outcome.bounded.why()} (given up after "
+                f"{outcome.compiles} compile{'s' if outcome.compiles != 1 else ''})")
         elif outcome.unfit is not None:
             unfit.append(outcome.unfit)
-            say(f"no fit   {outcome.layout.describe()}: leanest {human_bytes(outcome.unfit.least_bytes)}")
+            say(f"no fit   {outcome.layout.describe()}: {outcome.unfit.why()}")
+            known = too_large.get(key := _split_free(outcome.layout))
+            if known is None or _shard_ranks(outcome.layout) > _shard_ranks(known.layout):
+                too_large[key] = outcome.unfit
         else:
             fitting.append(e := outcome.evaluated)
             say(f"planned  {e.one_line()}: {_time(e.step_time_s)}, {human_bytes(e.peak)}")
@@ -565,7 +606,8 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         """The ``count`` layouts the queue holds next, with what the search sends each, should nothing change."""
         ahead = [entry for entry in heapq.nsmallest(count + len(sent), queue) if entry[3] not in sent]
         cutoff = leading_cutoff()
-        return [(layout, units, bound) for _, bound, _, layout, units in ahead[:count] if floor_of(layout) < cutoff]
+        return [(layout, units, bound) for _, bound, _, layout, units in ahead[:count]
+                if floor_of(layout) < cutoff and over_like(layout) is None]
 
     sent: dict[Layout, futures.Future] = {}  # Note [layouts in parallel]: each layout's compile, once started
     with _compiler(job, workers) as (submit, cutoff):
@@ -598,14 +640,17 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
 
 
 def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 0,
-                   kept_under: dict | None = None, cutoff: Callable[[], float] = lambda: math.inf) -> Outcome:
+                   kept_under: dict | None = None, cutoff: Callable[[], float] = lambda: math.inf,
+                   shared: Shared | None = None) -> Outcome:
     """Compile ``layout`` under the budget (the budget search chooses recompute and prefetch) and plan it.
 
     ``units``: the layout's units, which the chosen recompute is written over; ``bound``: its
     `held_lower_bound`, reported when the budget search names no leanest peak; ``kept_under``: the rows
     an earlier budget search over the same units learnt, where this one starts (Note [warm start]);
     ``cutoff()``: the step time a layout must beat to lead, now. The budget search gives up, after its
-    first compile or any later one, when that step's collectives alone take as long (Note [step floor]).
+    first compile or any later one, when that step's collectives alone take as long (Note [step floor]),
+    or its compute with the recompute it needs to fit (Note [search floor]). ``shared``: the fake model
+    and the traces the layouts compiled in this process share (Note [shared traces]).
     """
     candidate = _spec_of(job.spec, layout, job.budget)
     # Note [pool after the search]: the pool changes neither peak nor prediction, so it is left to the run
@@ -620,21 +665,28 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                                                  job.world // layout.tensor, job.cost_model,
                                                  first["regathered"]) + first["tensor"]
 
-    def give_up(step) -> str | None:  # called before each compile after the first
+    def give_up(step, search_floor_s: float) -> str | None:  # called before each compile after the first
         learn(step)
         first["checks"] += 1
-        return f"its collectives alone take {_time(first['floor'])}" if first["floor"] >= cutoff() else None
+        if search_floor_s > first["floor"]:  # Note [search floor]: the compute its recompute needs, over its links'
+            first["floor"], first["by_compute"] = search_floor_s, True
+        bound = Bounded(layout, first["floor"], True, first.get("by_compute", False))
+        return bound.why() if first["floor"] >= cutoff() else None
 
     try:
-        compiled = api.plan(job.build_model, job.loss_fn, unpooled, optimizer=job.optimizer,
-                            example_batch=job.batch_of(layout), world_size=job.world, cost_model=job.cost_model,
-                            budget_hints=BudgetHints(kept_under or {}, give_up))
+        compiled = api.plan(shared.model if shared else job.build_model, job.loss_fn, unpooled,
+                            optimizer=job.optimizer, example_batch=job.batch_of(layout), world_size=job.world,
+                            cost_model=job.cost_model, budget_hints=BudgetHints(kept_under or {}, give_up),
+                            traces=shared.traces if shared else None)
     except SearchAbandoned:
-        return Outcome(layout, first["checks"], bounded=Bounded(layout, first["floor"], compiled=True),
-                       regathered=first["regathered"], floor_s=first["floor"], tensor_s=first["tensor"])
+        by_compute = first.get("by_compute", False)
+        return Outcome(layout, first["checks"], bounded=Bounded(layout, first["floor"], True, by_compute),
+                       regathered=first["regathered"], floor_s=first["floor"], floor_by_compute=by_compute,
+                       tensor_s=first["tensor"])
     except BudgetError as exc:
         return Outcome(layout, first["checks"] + 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True),
                        regathered=first.get("regathered", frozenset()), floor_s=first.get("floor"),
+                       floor_by_compute=first.get("by_compute", False),
                        tensor_s=first.get("tensor", 0.0))
     except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
         return Outcome(layout, 0, skipped=str(exc))
@@ -656,6 +708,7 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                           compiled.schedule.largest_collective)
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
                    regathered=first["regathered"], floor_s=first["floor"], tensor_s=first["tensor"],
+                   floor_by_compute=first.get("by_compute", False),
                    kept_under=choice.kept_under if choice is not None else {})
 
 
@@ -676,11 +729,11 @@ def _compiler(job: Job, workers: int):
     would have let it is taken as given up (`Outcome.floor_s`).
     """
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one at a time
-        cutoff = _Cutoff()
+        cutoff, shared = _Cutoff(), Shared.of(job)
 
         def submit(layout, units, bound, kept_under):
             future = futures.Future()
-            future.set_result(compile_layout(job, layout, units, bound, kept_under, lambda: cutoff.value))
+            future.set_result(compile_layout(job, layout, units, bound, kept_under, lambda: cutoff.value, shared))
             return future
 
         yield submit, cutoff
@@ -693,6 +746,19 @@ def _compiler(job: Job, workers: int):
             _compile_in_worker, layout, tuple(units), bound, kept_under)), cutoff
 
 
+@attrs.frozen
+class Shared:
+    """What the layouts compiled in one process share: one fake model, and its traces (Note [shared traces])."""
+
+    model: torch.nn.Module
+    traces: TraceCache
+
+    @classmethod
+    def of(cls, job: Job) -> Shared:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return cls(job.build_model(), TraceCache())
+
+
 @attrs.define
 class _Cutoff:
     """The step time a layout must beat to lead, in one process (`multiprocessing.Value`'s ``.value``)."""
@@ -702,19 +768,21 @@ class _Cutoff:
 
 _WORKER_JOB: Job | None = None  # the job a forked worker compiles layouts of (Note [layouts in parallel])
 _WORKER_CUTOFF = _Cutoff()  # shared with the search, which lowers it
+_WORKER_SHARED: Shared | None = None  # the worker's model and traces, for the pool's lifetime
 
 
 def _adopt(job: Job, cutoff) -> None:
-    global _WORKER_JOB, _WORKER_CUTOFF
+    global _WORKER_JOB, _WORKER_CUTOFF, _WORKER_SHARED
     # libgomp is not fork-safe: a child of a parent whose OpenMP threads ran (cutting the global batch into
     # per-rank ones does) hangs in its first parallel region; one thread runs none, and a compile is one
     # core's work anyway
     torch.set_num_threads(1)
-    _WORKER_JOB, _WORKER_CUTOFF = job, cutoff
+    _WORKER_JOB, _WORKER_CUTOFF, _WORKER_SHARED = job, cutoff, Shared.of(job)
 
 
 def _compile_in_worker(layout: Layout, units: tuple[str, ...], bound: int, kept_under: dict | None) -> Outcome:
-    return compile_layout(_WORKER_JOB, layout, units, bound, kept_under, lambda: _WORKER_CUTOFF.value)
+    return compile_layout(_WORKER_JOB, layout, units, bound, kept_under, lambda: _WORKER_CUTOFF.value,
+                          _WORKER_SHARED)
 
 
 def communication_floor(flats: Sequence[FlatSummary], mesh: dict[str, int], world: int, cost_model: CostModel,
@@ -751,6 +819,17 @@ def _time(seconds: float) -> str:
 def _regathered(schedule) -> frozenset[str]:
     """The flat parameters ``schedule`` gathers again for backward (Note [keep the last unit])."""
     return frozenset(op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
+
+
+def _split_free(layout: Layout) -> tuple:
+    """``layout`` but its mesh split: the layouts that differ only in how many ranks shard (Note [larger shards])."""
+    return attrs.astuple(attrs.evolve(layout, mesh=Mesh(fsdp=1)), recurse=False)
+
+
+def _shard_ranks(layout: Layout) -> int:
+    """The ranks ``layout`` shards a flat parameter over: its data ranks less the replicas."""
+    data = layout.data_axes
+    return math.prod(data.values()) // data.get(REPLICATE_AXIS, 1)
 
 
 def _learnt_key(layout: Layout) -> tuple:
