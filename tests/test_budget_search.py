@@ -263,7 +263,7 @@ def test_the_rows_a_search_learns_are_the_same_for_another_mesh_split():
 def test_the_search_floor_is_below_every_configuration_that_fits(model):
     """Note [search floor]: from the first configuration alone, a bound on what the search chooses and on every
     configuration at that depth that fits: its compute, and under a budget it misses, the least recompute."""
-    from shardlang.compiler.analysis.budget import search_floor
+    from shardlang.compiler.analysis.budget import Candidate, search_floor
 
     world = 2
     none = plan(world)
@@ -274,15 +274,24 @@ def test_the_search_floor_is_below_every_configuration_that_fits(model):
     configurations = [plan(world, recompute=[(u, policy) for u in units[:k]])
                       for policy in ("selective", "full") for k in range(1, LAYERS + 1)]
     full = plan(world, recompute=[("layers.*", "full")]).memory.peak
+    tightened = []
     for fraction in (0.3, 0.6, 0.9):
         budget = int(full + fraction * (memory.peak - full))
         floor = search_floor(none, memory, timeline, units, budget, model)
-        assert floor > compute  # the recompute it needs to fit is counted
+        assert floor > compute  # once one fits at its depth, the recompute it needs to fit is counted
+        assert search_floor(none, memory, timeline, units, budget, model, fitted=False) == compute
         fitting = [model.predict(s.schedule, s.graph_module).step_time_s for s in configurations
                    if s.memory.peak <= budget]
         assert fitting and floor <= min(fitting)
         chosen = plan(world, budget=budget, cost_model=model)
         assert floor <= model.predict(chosen.schedule, chosen.graph_module).step_time_s
+        # each policy's own rows (every unit under it) say what it saves: a tighter bound, still below them all
+        rows = [Candidate((), 1, s.memory.peak, 0.0, policy, LAYERS, {u.unit: u.kept for u in s.memory.units})
+                for policy, s in (("selective", configurations[LAYERS - 1]), ("full", configurations[-1]))]
+        tighter = search_floor(none, memory, timeline, units, budget, model, tried=rows)
+        assert floor <= tighter <= min(fitting)
+        tightened.append(tighter > floor)
+    assert any(tightened)  # "selective" saves less than its units keep
 
 
 def test_a_search_told_when_to_give_up_skips_the_recompute_that_cannot_fit():

@@ -345,9 +345,9 @@ def test_the_command_tunes_a_hugging_face_job_that_already_recomputes(tmp_path, 
 
 def test_a_layout_whose_compute_and_needed_recompute_take_the_cutoff_is_given_up_after_one_compile():
     """Note [search floor]: on a link so fast that the collectives take no time, the first configuration bounds
-    the layout by its compute and the recompute it needs to fit the budget. At that bound the layout is given up
-    after one compile, reported with its compute; just over it, it is searched in full. The bound is below the
-    step the search finds."""
+    the layout by its compute, and once a configuration fits, by its compute and the recompute it needs to fit
+    the budget. At each bound the layout is given up there, reported with its compute; just over the second, it
+    is searched in full. The bounds are below the step the search finds."""
     job = _gpt_job()
     fast = CostModel(link=LinkModel("fast", alpha_s=0.0, bandwidth=1e18, backend="gloo"))
     world, budget = 2, int(1.98 * 2**20)  # between full recompute's peak (1.92 MiB) and none's (2.04 MiB)
@@ -359,12 +359,17 @@ def test_a_layout_whose_compute_and_needed_recompute_take_the_cutoff_is_given_up
     searched = compile_layout(tune_job, layout, units)
     assert searched.evaluated is not None and searched.compiles > 1
     assert "recompute none" not in searched.evaluated.schedule_choice  # the budget needs recompute
-    bound = compile_layout(tune_job, layout, units, cutoff=lambda: 0.0).bounded
-    assert bound.compiled and bound.by_compute and "its compute, with the recompute it needs" in bound.why()
-    assert 0 < bound.floor_s <= searched.evaluated.step_time_s
-    given_up = compile_layout(tune_job, layout, units, cutoff=lambda: bound.floor_s)
-    assert (given_up.compiles, given_up.bounded) == (1, bound)
-    kept = compile_layout(tune_job, layout, units, cutoff=lambda: bound.floor_s * (1 + 1e-9))
+    first = compile_layout(tune_job, layout, units, cutoff=lambda: 0.0)
+    compute = first.bounded
+    assert first.compiles == 1 and compute.compiled and compute.by_compute
+    assert "its compute, with the recompute it needs" in compute.why()
+    then = compile_layout(tune_job, layout, units, cutoff=lambda: compute.floor_s * (1 + 1e-9))
+    recompute = then.bounded
+    assert then.compiles == 2 and recompute.by_compute
+    assert 0 < compute.floor_s < recompute.floor_s <= searched.evaluated.step_time_s
+    given_up = compile_layout(tune_job, layout, units, cutoff=lambda: recompute.floor_s)
+    assert (given_up.compiles, given_up.bounded) == (2, recompute)
+    kept = compile_layout(tune_job, layout, units, cutoff=lambda: recompute.floor_s * (1 + 1e-9))
     assert (kept.evaluated, kept.compiles) == (searched.evaluated, searched.compiles)
 
 

@@ -57,15 +57,21 @@ Note [search floor]: the same compute terms bound from below what the whole
 search can return, once its first configuration is compiled: when that
 configuration fits, every later one keeps its recompute (only prefetch is
 left to choose), so each is predicted at least the first one's compute; when
-it does not, every configuration the search compiles recomputes some policy
-on the first k units, k at least the least one whose kept bytes cover the
-excess (as above), so each is predicted at least the lesser of the two
-policies' compute terms. Where even every unit's kept bytes do not cover the
-excess, no recompute fits at that depth and the search may fall back to no
-prefetch, with any k: the bound is then the compute alone. The compute here is the sum of the ops' node times
-without contention (Note [contention] slows compute only while a collective
-is in flight, and another configuration overlaps differently), so the bound
-holds whatever the overlap. A caller searching many layouts (`shardlang tune`)
+it does not, the search may yet fall back to no prefetch and no recompute
+(when no configuration at its depth fits), so the bound is the compute alone
+until one at that depth fits; from then on, the search returns one at that
+depth or deeper, recomputing some policy on the first k units, k at least
+the least one whose kept bytes cover the excess (as above), so each is
+predicted at least the lesser of the two policies' compute terms. A
+policy's saving per unit is what the unit keeps, or, once a configuration
+compiled with the unit under that policy, its kept bytes less what it keeps
+then (that configuration's own rows: "selective" saves far less than the
+unit keeps, and counting it so would make its term the lesser by far); a
+policy whose savings cannot cover the excess has no term. The
+compute here is the sum of the ops' node times without contention (Note
+[contention] slows compute only while a collective is in flight, and another
+configuration overlaps differently), so the bound holds whatever the
+overlap. The bound is worked out again before each compile. A caller searching many layouts (`shardlang tune`)
 is told it (``give_up``) and stops a layout whose bound cannot lead.
 
 The chosen configuration is the fitting one of least predicted time; the
@@ -127,6 +133,7 @@ import attrs
 
 from shardlang.errors import SpecError
 from shardlang.spec.vocabulary import Recompute
+from ..ir.graph_utils import is_alias_op
 from ..schedule.schedule import OpKind
 from ..schedule.schedule_format import human_bytes
 
@@ -258,9 +265,11 @@ def fit_budget(budget: int, compile_at: Callable[[dict, int], object], units: Se
         key = (tuple(sorted((u, p.value) for u, p in recompute.items())), depth)
         if key not in compiled:
             if give_up is not None and base:
-                if "floor" not in base:
-                    base["floor"] = search_floor(*base["step"], units, budget, cost_model)
-                if (reason := give_up(base["step"][0], base["floor"])) is not None:
+                tried = [c for _, c in compiled.values()]
+                fitted = any(c.prefetch == base_prefetch and fits(c) for c in tried)
+                floor = search_floor(*base["step"], units, budget, cost_model, fitted, tried,
+                                     base.setdefault("floors", {}))
+                if (reason := give_up(base["step"][0], floor)) is not None:
                     raise SearchAbandoned(reason)
             step = compile_at(recompute, depth)
             shown = tuple((u, p.value) for u, p in recompute.items() if p is not Recompute.NONE)
@@ -319,28 +328,37 @@ def _policy_floor(step, memory, timeline, policy: Recompute, units: Sequence[str
     """
     if cost_model.fused:
         return -math.inf  # fused costs are not a sum over nodes: no bound
-    return max(timeline.step_time_s,
-               timeline.compute_s + _recompute_time(step, memory, policy, units, budget, cost_model))
+    copies, _ = _recompute_time(step, memory, policy, units, budget, cost_model, _kept(memory))
+    return max(timeline.step_time_s, timeline.compute_s + copies)
 
 
-def search_floor(step, memory, timeline, units: Sequence[str], budget: int, cost_model) -> float:
+def search_floor(step, memory, timeline, units: Sequence[str], budget: int, cost_model,
+                 fitted: bool = True, tried: Sequence[Candidate] = (), memo: dict | None = None) -> float:
     """Note [search floor]: no configuration the search returns is predicted faster than this.
 
     ``step`` is the search's first configuration (no recompute on ``units``),
-    with its memory plan and timeline; 0 under the fused cost model (no bound).
+    with its memory plan and timeline; ``fitted``: whether a configuration at
+    its depth fits already; ``tried``: the configurations compiled so far,
+    whose rows say what a recomputed unit keeps; ``memo``: kept between the
+    calls of one search (the compute, the copies' time per policy and k). 0
+    under the fused cost model (no bound).
     """
     if cost_model.fused:
         return 0.0
-    node_time = cost_model.compute.node_time
-    nodes = {n.name: n for n in step.graph_module.graph.nodes}
-    compute = sum(node_time(nodes[name]) for op in step.schedule.ops if op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER)
-                  for name in op.node_names if name in nodes)
-    if _beyond_recompute(memory, units, budget):
-        return compute  # no recompute fits at this depth: the search may fall back to depth 0 and none
-    if memory.peak <= budget:
-        return compute
-    return compute + min(_recompute_time(step, memory, policy, units, budget, cost_model)
-                         for policy in (Recompute.SELECTIVE, Recompute.FULL))
+    memo = {} if memo is None else memo
+    if "compute" not in memo:
+        node_time = cost_model.compute.node_time
+        nodes = {n.name: n for n in step.graph_module.graph.nodes}
+        memo["compute"] = sum(node_time(nodes[name]) for op in step.schedule.ops
+                              if op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER)
+                              for name in op.node_names if name in nodes)
+    compute = memo["compute"]
+    if memory.peak <= budget or not fitted or _beyond_recompute(memory, units, budget):
+        return compute  # Note [search floor]: until one fits at this depth, it may fall back to depth 0 and none
+    terms = [copies for policy in (Recompute.SELECTIVE, Recompute.FULL)
+             for copies, reaches in [_recompute_time(step, memory, policy, units, budget, cost_model,
+                                                     _savings(memory, policy, units, tried), memo)] if reaches]
+    return compute + min(terms, default=0.0)
 
 
 def _beyond_recompute(memory, units: Sequence[str], budget: int) -> bool:
@@ -349,20 +367,39 @@ def _beyond_recompute(memory, units: Sequence[str], budget: int) -> bool:
     return memory.peak - sum(u.kept for u in memory.units if u.unit in chosen) > budget
 
 
-def _recompute_time(step, memory, policy: Recompute, units: Sequence[str], budget: int, cost_model) -> float:
-    """Seconds of the copies ``policy`` makes on the least k first units whose kept bytes cover the excess."""
-    from ..ir.graph_utils import is_alias_op
+def _kept(memory) -> dict[str, int]:
+    return {u.unit: u.kept for u in memory.units}
+
+
+def _savings(memory, policy: Recompute, units: Sequence[str], tried: Sequence[Candidate]) -> dict[str, int]:
+    """The most recomputing each unit under ``policy`` lowers the peak by (Note [search floor]): what it keeps,
+    less what it still keeps under the policy where a configuration compiled with it recomputed shows that."""
+    kept = _kept(memory)
+    saving = dict(kept)
+    for c in tried:
+        if c.policy == policy.value:
+            for u in units[:c.k]:
+                saving[u] = min(saving.get(u, 0), kept.get(u, 0) - c.kept.get(u, 0))
+    return saving
+
+
+def _recompute_time(step, memory, policy: Recompute, units: Sequence[str], budget: int, cost_model,
+                    saving: Mapping[str, int], memo: dict | None = None) -> tuple[float, bool]:
+    """Seconds of the copies ``policy`` makes on the least k first units whose ``saving`` covers the excess,
+    and whether it does (else k is every unit)."""
     from ..passes.recompute_activations import recomputed_nodes
 
-    kept = {u.unit: u.kept for u in memory.units}
     k, peak = 0, memory.peak
     while k < len(units) and peak > budget:  # the least k whose recompute could bring the peak under the budget
-        peak -= kept.get(units[k], 0)
+        peak -= saving.get(units[k], 0)
         k += 1
-    copies = recomputed_nodes(step.graph_module, {u: policy for u in units[:k]})
-    node_time = cost_model.compute.node_time
-    # an alias (a getitem of an output nobody reads, a detach) need not be copied: only kernels are counted
-    return sum(node_time(n) for nodes in copies.values() for n in nodes if not is_alias_op(n))
+    memo = {} if memo is None else memo
+    if (policy, k) not in memo:
+        copies = recomputed_nodes(step.graph_module, {u: policy for u in units[:k]})
+        node_time = cost_model.compute.node_time
+        # an alias (a getitem of an output nobody reads, a detach) need not be copied: only kernels are counted
+        memo[policy, k] = sum(node_time(n) for nodes in copies.values() for n in nodes if not is_alias_op(n))
+    return memo[policy, k], peak <= budget
 
 
 def _with_depth(evaluate, candidate: Candidate, depth: int) -> Candidate:
