@@ -384,6 +384,7 @@ def test_a_layout_over_the_budget_rules_out_its_splits_with_larger_shards():
                   budget, bandwidth_bound, say=lines.append)
     ruled_out = [u for u in result.unfit if u.like is not None]
     assert ruled_out and result.best is None
+    assert not any(f"layout, {u.layout.describe()}," in result.shortfall() for u in ruled_out)  # never leanest
     tune_job = Job(lambda: build(job), job.loss_fn, job.spec, job.optimizer, rank_batch(job, 0, world, 0), world,
                    budget, bandwidth_bound)
     for unfit in ruled_out:

@@ -211,8 +211,9 @@ class Unfit:
         if self.like is not None:
             return (f"its shards are no smaller than those of {self.like.describe()}, which does not fit "
                     f"(leanest {human_bytes(self.least_bytes)})")
-        return f"leanest {human_bytes(self.least_bytes)}" if self.compiled else \
-            f"holds at least {human_bytes(self.least_bytes)}"
+        if self.compiled:
+            return f"leanest {human_bytes(self.least_bytes)}"
+        return f"holds at least {human_bytes(self.least_bytes)}"
 
 
 @attrs.frozen
@@ -282,7 +283,8 @@ class TuneResult:
         """When nothing fits: by how much the leanest layout misses, and what would fit."""
         if not self.unfit:
             return "no layout was evaluated"
-        leanest = min(self.unfit, key=lambda u: u.least_bytes)
+        # a layout ruled out by larger shards (Note [larger shards]) is never leaner than the one that ruled it out
+        leanest = min((u for u in self.unfit if u.like is None), key=lambda u: u.least_bytes)
         over = leanest.least_bytes - (self.budget or 0)
         how = "planned" if leanest.compiled else "holds at least (parameters and optimizer state)"
         return (f"nothing fits {human_bytes(self.budget or 0)} per rank: the leanest layout, "
@@ -501,7 +503,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
                                  gathered)
         if budget is not None and bound > budget:
             unfit.append(Unfit(layout, bound, compiled=False))
-            say(f"pruned   {layout.describe()}: holds at least {human_bytes(bound)}")
+            say(f"pruned   {layout.describe()}: {unfit[-1].why()}")
             return
         if layout.tensor in refused:
             skipped.append((layout, refused[layout.tensor]))
