@@ -261,6 +261,11 @@ def test_loss_parallel_plans_no_logits_gather_and_less_memory():
                     and op.bytes == logits] for lp, p in plans.items()}
     assert gathers[False] and not gathers[True]
     assert plans[True].memory.peak <= plans[False].memory.peak  # the tiny model peaks in a block, not at the loss
+    # the plan says what it saves: b*s*V*(1 - 1/tp) of the logits, neither gathered nor held
+    assert (plans[False].schedule.logits_never_gathered, plans[True].schedule.logits_never_gathered) == (0, logits // 2)
+    line = next(line for line in format_summary(plans[True].schedule).splitlines() if line.startswith("loss parallel"))
+    assert sl.compiler.human_bytes(logits // 2) in line and "b*s*V*(1 - 1/2)" in line
+    assert not any(line.startswith("loss parallel") for line in format_summary(plans[False].schedule).splitlines())
 
 
 def test_evaluation_on_a_2d_mesh_is_the_reference_models_loss(run_on, references):

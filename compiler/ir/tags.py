@@ -90,6 +90,10 @@ class NodeTag:
     kept: bool = False
 
 
+#: node meta: the bytes of logits a loss on vocabulary blocks never gathers (Note [loss parallelism])
+LOGITS_NEVER_GATHERED = "sl_logits_never_gathered"
+
+
 def tag(node: fx.Node, kind: NodeKind, flat: str | None, phase: Phase | None, **fields) -> fx.Node:
     """Mark an inserted node for the schedule and for later passes; set its phase when given."""
     node.meta["sl"] = NodeTag(kind, flat, **fields)

@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..ir import collectives
 from ..context import CompileContext
 from ..ir.graph_utils import alias_closure, unpack_copies
-from ..ir.tags import NodeKind, kind_of, node_tag, writes_into_slot
+from ..ir.tags import LOGITS_NEVER_GATHERED, NodeKind, kind_of, node_tag, writes_into_slot
 from ..layout.member_updates import written_in_place
 from ..layout.placement import WORLD
 from shardlang.spec.vocabulary import Strategy
@@ -168,6 +168,7 @@ class Schedule:
     ops: tuple[ScheduleOp, ...]
     options: dict = attrs.field(factory=dict)
     tensor_axis: tuple[str, int] | None = None  # (name, size) of the mesh's tensor axis; ``mesh`` is the data axes
+    logits_never_gathered: int = 0  # loss parallelism: bytes of logits a rank neither gathers nor holds
 
     @property
     def summary(self) -> Summary:
@@ -218,6 +219,7 @@ class Schedule:
             "world_size": self.world_size,
             "mesh": dict(self.mesh),
             **({"tensor_axis": dict([self.tensor_axis])} if self.tensor_axis else {}),
+            **({"logits_never_gathered": self.logits_never_gathered} if self.logits_never_gathered else {}),
             "options": dict(self.options),
             "flats": [attrs.asdict(f) | {"strategy": f.strategy.value, "padded_bytes": f.padded_bytes}
                       for f in self.flats],
@@ -302,6 +304,7 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         ops=tuple(builder.ops),
         options=_options(ctx),
         tensor_axis=(ctx.config.tensor.name, ctx.config.tensor.size) if ctx.config.tensor is not None else None,
+        logits_never_gathered=sum(node.meta.get(LOGITS_NEVER_GATHERED, 0) for node in gm.graph.nodes),
     )
 
 

@@ -51,6 +51,10 @@ def format_summary(schedule: Schedule) -> str:
     params = sum(f.padded_bytes for f in sharded)
     local = sum(f.held_numel * f.element_size for f in schedule.flats)
     lines.append(f"sharded parameters M = {human_bytes(params)} (padded); held per rank: {human_bytes(local)}")
+    if schedule.logits_never_gathered:  # Note [loss parallelism]
+        name, size = schedule.tensor_axis
+        lines.append(f"loss parallel: the logits stay split by vocabulary over {name}; a rank never gathers nor "
+                     f"holds {human_bytes(schedule.logits_never_gathered)} of them (b*s*V*(1 - 1/{size}))")
     lines += _strategy_lines(schedule)
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ...ir.tags import LOGITS_NEVER_GATHERED
 from ..placements import PARTIAL, REPLICATE, Shard
 from ..strategy import OpCall, Strategy
 from .nn import replicated, softmax_strategies, vocabulary_block
@@ -89,14 +90,17 @@ def nll_forward_strategies(call: OpCall) -> list[Strategy]:
 
 def _nll_of_blocks(call: OpCall):
     logp = call.node.args[0]
-    classes, dtype = logp.meta["val"].shape[1], logp.meta["val"].dtype
+    (rows, classes), dtype = logp.meta["val"].shape, logp.meta["val"].dtype
     reduction, ignore_index = call.node.args[3], call.node.args[4]
+    # what gathering the logits would have moved and held: b*s*V*(1 - 1/n) elements a rank (Note [loss parallelism])
+    never_gathered = rows * (classes // call.n) * (call.n - 1) * logp.meta["val"].element_size()
 
     def lower(low, args: tuple) -> tuple[fx.Node, fx.Node]:
         local_logp, target = args[0], args[1]
         _inside, local = vocabulary_block(low, target, classes, outside=ignore_index)
-        each = low.call(operator.getitem, low.call(
-            aten.nll_loss_forward.default, local_logp, local, None, _NONE, ignore_index), 0)
+        nll = low.call(aten.nll_loss_forward.default, local_logp, local, None, _NONE, ignore_index)
+        nll.meta[LOGITS_NEVER_GATHERED] = never_gathered  # the plan's line (`Schedule.logits_never_gathered`)
+        each = low.call(operator.getitem, nll, 0)
         counted = low.call(aten.sum.default, low.call(aten.ne.Scalar, target, ignore_index))
         total = low.call(aten._to_copy.default, counted, dtype=dtype)
         if reduction == _NONE:
