@@ -109,11 +109,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     flats = config.flats()
     grouped = GroupedOptimizer.build(optimizer, config.training.group_overrides)
     if traced is None:
+        logical = config.logical_flats(flats)  # Note [tp-local flats]
+
         def trace() -> TracedStep:
-            return _trace(model, loss_fn, config, flats, grouped, example_batch, buffers, tied)
+            return _trace(model, loss_fn, config, logical, grouped, example_batch, buffers, tied)
 
         traced = trace() if traces is None else traces.traced(
-            trace_key(model, loss_fn, config, optimizer, example_batch, buffers, tied), model, trace)
+            trace_key(model, loss_fn, config, logical, optimizer, example_batch, buffers, tied), model, trace)
     ctx = CompileContext(config, flats, traced.inputs)
     check = structural_check if check_each_pass else None
     gm = copy_graph_module(traced.graph_module)
@@ -126,9 +128,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable, config: StepConfig, 
     return with_buffer_pool(compiled) if buffer_pool else compiled
 
 
-def _trace(model, loss_fn, config: StepConfig, flats, optimizer, example_batch, buffers, tied) -> TracedStep:
-    """The traced logical step of ``config``, localized to a tensor axis where it has one."""
-    logical = config.logical_flats() if config.tensor is not None else flats  # Note [tp-local flats]
+def _trace(model, loss_fn, config: StepConfig, logical, optimizer, example_batch, buffers, tied) -> TracedStep:
+    """The traced logical step of ``config`` over its ``logical`` flats, localized to a tensor axis where it has one."""
     local = None if config.tensor is None else functools.partial(tensor_parallel_step, axis=config.tensor)
     traced_as = dict(data_parallel_size=config.mesh.size, training=config.training, buffers=buffers, tied=tied)
     if _is_fake(model):  # Note [replicated trace]: planning; a tensor axis localizes the short traces

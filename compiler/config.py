@@ -182,15 +182,15 @@ class StepConfig:
             return self.params
         return tuple(self.tensor.local_param(p) for p in self.params)
 
-    def logical_flats(self) -> tuple[FlatParam, ...]:
-        """`flats` with every member at its logical shape: what the logical step is traced with.
+    def logical_flats(self, flats: tuple[FlatParam, ...] | None = None) -> tuple[FlatParam, ...]:
+        """`flats` (given, or built) with every member at its logical shape: what the logical step is traced with.
 
         Note [tp-local flats]: the flats are built once, from the tp-local shapes,
         so that bucketing and grouping see what a rank holds; the logical ones are
         the same flats, member for member, at the logical shapes, so the trace's
         members and the localized graph's are the same members in the same order.
         """
-        flats = self.flats()
+        flats = self.flats() if flats is None else flats
         if self.tensor is None:
             return flats
         logical = {p.name: p for p in self.params}

@@ -62,10 +62,10 @@ class TraceCache:
         return traced
 
 
-def trace_key(model: torch.nn.Module, loss_fn, config: StepConfig, optimizer, batch,
+def trace_key(model: torch.nn.Module, loss_fn, config: StepConfig, flats, optimizer, batch,
               buffers: Mapping | None, tied: Mapping[str, str] | None) -> tuple:
-    """What the trace of ``config``'s step reads (Note [shared traces]): equal keys trace equal steps."""
-    flats = config.logical_flats() if config.tensor is not None else config.flats()
+    """What the trace of ``config``'s step over its logical ``flats`` reads (Note [shared traces]): equal keys
+    trace equal steps."""
     tensor = config.tensor
     return (
         id(model), id(loss_fn), repr(optimizer), config.mesh.size, repr(config.training),

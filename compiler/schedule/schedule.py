@@ -294,8 +294,10 @@ class Schedule:
 def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
     """Read the schedule off a compiled graph whose nodes carry `meta["val"]` and pass tags."""
     builder = _Builder(ctx)
+    never_gathered = 0
     for node in gm.graph.nodes:
         builder.visit(node)
+        never_gathered += node.meta.get(LOGITS_NEVER_GATHERED, 0)
     builder.close_segment()
     return Schedule(
         world_size=ctx.mesh.size,
@@ -304,7 +306,7 @@ def read_schedule(gm: fx.GraphModule, ctx: CompileContext) -> Schedule:
         ops=tuple(builder.ops),
         options=_options(ctx),
         tensor_axis=(ctx.config.tensor.name, ctx.config.tensor.size) if ctx.config.tensor is not None else None,
-        logits_never_gathered=sum(node.meta.get(LOGITS_NEVER_GATHERED, 0) for node in gm.graph.nodes),
+        logits_never_gathered=never_gathered,
     )
 
 

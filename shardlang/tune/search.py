@@ -453,8 +453,8 @@ class Outcome:
     unfit: Unfit | None = None
     skipped: str | None = None
     bounded: Bounded | None = None  # its first configuration showed its floor (Note [step floor]) out of the lead
-    floor_s: float | None = None  # its floor with its own re-gathers, once a configuration compiled
-    floor_by_compute: bool = False  # ``floor_s`` is Note [search floor]'s compute, above its collectives' floor
+    floor: Bounded | None = None  # its floor once a configuration compiled: its collectives with its own
+    # re-gathers, or Note [search floor]'s compute where that is higher; as it is reported if given up
     tensor_s: float = 0.0  # its forward's tp collectives' time on the link (Note [tensor degrees])
     regathered: frozenset[str] = frozenset()  # Note [step floor]: the units ZeRO-3 gathers again for backward
     kept_under: dict = attrs.field(factory=dict, eq=False)  # the budget search's rows (Note [warm start])
@@ -540,7 +540,7 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
                     resolved = _spec_of(spec, variant, None).resolve(model, world)
                     enqueue(variant, next(order), _gathered_flats(_summaries(resolved)), resolved)
 
-    too_large: dict[tuple, Unfit] = {}  # Note [larger shards]: per layout less its split, the widest over the budget
+    too_large: dict[Layout, Unfit] = {}  # Note [larger shards]: per layout less its split, the widest over the budget
 
     def over_like(layout: Layout) -> Unfit | None:
         """The layout over the budget that ``layout``'s shards are no smaller than, if any (Note [larger shards])."""
@@ -570,12 +570,11 @@ def tune(build_model: Callable[[], torch.nn.Module], loss_fn, spec: Spec, optimi
         """Take a layout's outcome into the search, as the one-at-a-time search would at this point."""
         nonlocal compiles
         compiles += outcome.compiles
-        if (outcome.bounded is None and outcome.compiles > 1 and outcome.floor_s is not None
-                and outcome.floor_s >= leading_cutoff()):
+        if (outcome.bounded is None and outcome.compiles > 1 and outcome.floor is not None
+                and outcome.floor.floor_s >= leading_cutoff()):
             # compiled ahead of its turn, past where its budget search would now give up (Note [step floor]:
             # it asks before each compile after the first)
-            outcome = attrs.evolve(outcome, evaluated=None, unfit=None,
-                                   bounded=Bounded(outcome.layout, outcome.floor_s, True, outcome.floor_by_compute))
+            outcome = attrs.evolve(outcome, evaluated=None, unfit=None, bounded=outcome.floor)
         if outcome.evaluated is not None or outcome.bounded is not None:
             regathered[_learnt_key(outcome.layout)] = outcome.regathered
         if outcome.kept_under:
@@ -663,17 +662,16 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
         if "floor" not in first:  # the re-gathers are the layout's, whatever its recompute and prefetch
             first["regathered"] = _regathered(step.schedule)
             first["tensor"] = _forward_tensor_time(step.schedule, job.cost_model)
-            first["floor"] = communication_floor(tuple(flat_summary(f) for f in step.flats), layout.data_axes,
-                                                 job.world // layout.tensor, job.cost_model,
-                                                 first["regathered"]) + first["tensor"]
+            links = communication_floor(tuple(flat_summary(f) for f in step.flats), layout.data_axes,
+                                        job.world // layout.tensor, job.cost_model, first["regathered"])
+            first["floor"] = Bounded(layout, links + first["tensor"], compiled=True)
 
     def give_up(step, search_floor_s: float) -> str | None:  # called before each compile after the first
         learn(step)
         first["checks"] += 1
-        if search_floor_s > first["floor"]:  # Note [search floor]: the compute its recompute needs, over its links'
-            first["floor"], first["by_compute"] = search_floor_s, True
-        bound = Bounded(layout, first["floor"], True, first.get("by_compute", False))
-        return bound.why() if first["floor"] >= cutoff() else None
+        if search_floor_s > first["floor"].floor_s:  # Note [search floor]: its compute, over its links' time
+            first["floor"] = Bounded(layout, search_floor_s, compiled=True, by_compute=True)
+        return first["floor"].why() if first["floor"].floor_s >= cutoff() else None
 
     try:
         compiled = api.plan(shared.model if shared else job.build_model, job.loss_fn, unpooled,
@@ -681,14 +679,11 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                             cost_model=job.cost_model, budget_hints=BudgetHints(kept_under or {}, give_up),
                             traces=shared.traces if shared else None)
     except SearchAbandoned:
-        by_compute = first.get("by_compute", False)
-        return Outcome(layout, first["checks"], bounded=Bounded(layout, first["floor"], True, by_compute),
-                       regathered=first["regathered"], floor_s=first["floor"], floor_by_compute=by_compute,
-                       tensor_s=first["tensor"])
+        return Outcome(layout, first["checks"], bounded=first["floor"], regathered=first["regathered"],
+                       floor=first["floor"], tensor_s=first["tensor"])
     except BudgetError as exc:
         return Outcome(layout, first["checks"] + 1, unfit=Unfit(layout, exc.leanest_peak or bound, compiled=True),
-                       regathered=first.get("regathered", frozenset()), floor_s=first.get("floor"),
-                       floor_by_compute=first.get("by_compute", False),
+                       regathered=first.get("regathered", frozenset()), floor=first.get("floor"),
                        tensor_s=first.get("tensor", 0.0))
     except SpecError as exc:  # a layout this model cannot take (a DDP unit of no parameters, say)
         return Outcome(layout, 0, skipped=str(exc))
@@ -709,8 +704,7 @@ def compile_layout(job: Job, layout: Layout, units: Sequence[str], bound: int = 
                           choice.chosen.describe() if choice is not None else _as_the_job(layout, job.spec),
                           compiled.schedule.largest_collective)
     return Outcome(layout, len(choice.tried) if choice is not None else 1, evaluated=evaluated,
-                   regathered=first["regathered"], floor_s=first["floor"], tensor_s=first["tensor"],
-                   floor_by_compute=first.get("by_compute", False),
+                   regathered=first["regathered"], floor=first["floor"], tensor_s=first["tensor"],
                    kept_under=choice.kept_under if choice is not None else {})
 
 
@@ -728,7 +722,7 @@ def _compiler(job: Job, workers: int):
     every decision (what is pruned, grouped, given up, chosen) is the serial search's; what parallel
     compiles cost is the layouts compiled ahead and then pruned before their turn. A layout compiled ahead
     of its turn gives up by the cutoff it sees then; one that went further than the search, at its turn,
-    would have let it is taken as given up (`Outcome.floor_s`).
+    would have let it is taken as given up (`Outcome.floor`).
     """
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # Windows: one at a time
         cutoff, shared = _Cutoff(), Shared.of(job)
@@ -823,9 +817,9 @@ def _regathered(schedule) -> frozenset[str]:
     return frozenset(op.flat for op in schedule.ops if op.kind is OpKind.ALL_GATHER and op.detail == REGATHER_DETAIL)
 
 
-def _split_free(layout: Layout) -> tuple:
+def _split_free(layout: Layout) -> Layout:
     """``layout`` but its mesh split: the layouts that differ only in how many ranks shard (Note [larger shards])."""
-    return attrs.astuple(attrs.evolve(layout, mesh=Mesh(fsdp=1)), recurse=False)
+    return attrs.evolve(layout, mesh=Mesh(fsdp=1))
 
 
 def _shard_ranks(layout: Layout) -> int:
